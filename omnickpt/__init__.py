@@ -1,0 +1,15 @@
+"""omnickpt: save and load the whole training state of PyTorch models at any parallel layout."""
+__version__ = "0.1.0"
+
+from omnickpt.adapters.rng import RNGState  # noqa: E402
+from omnickpt.api import Checkpointer, LoadResult, SaveHandle, is_committed, load, read_manifest, save  # noqa: E402
+from omnickpt.errors import (  # noqa: E402
+    CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError, NotCommittedError, PlanError,
+    StorageError, UnsafeCheckpointError, UnsupportedError)
+from omnickpt.manager import CheckpointManager  # noqa: E402
+
+__all__ = [
+    "CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
+    "LoadResult", "MismatchError", "NotCommittedError", "PlanError", "RNGState", "SaveHandle", "StorageError",
+    "UnsafeCheckpointError", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
+]

@@ -1,0 +1,79 @@
+"""Adapters: framework objects <-> tensor shards (boxes) and plain objects.
+
+One file per kind of value; `collect_save` / `collect_load` dispatch on the value's type.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard
+from omnickpt.adapters.generic import load_value, save_value
+from omnickpt.adapters.module import detect_framework, load_module, save_module
+from omnickpt.adapters.optimizer import load_optimizer, save_optimizer
+from omnickpt.adapters.rng import RNGState
+from omnickpt.errors import UnsupportedError
+
+FRAMEWORKS = ("plain", "ddp", "fsdp", "fsdp2", "dtensor", "megatron")
+
+
+def _check_keys(state: dict) -> None:
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of name -> module/optimizer/value, got {type(state).__name__}")
+    for k in state:
+        if not isinstance(k, str) or not k or SEP in k:
+            raise UnsupportedError(f"state key {k!r}: keys must be non-empty strings without {SEP!r}")
+
+
+def _modules(state: dict) -> dict[str, nn.Module]:
+    return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+
+
+def collect_save(state: dict) -> list[tuple[str, SaveItems]]:
+    _check_keys(state)
+    modules = _modules(state)
+    out = []
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out.append((key, save_module(key, value)))
+        elif isinstance(value, torch.optim.Optimizer):
+            out.append((key, save_optimizer(key, value, modules)))
+        else:
+            out.append((key, save_value(key, value)))
+    return out
+
+
+def collect_load(state: dict) -> list[tuple[str, LoadTarget]]:
+    _check_keys(state)
+    modules = _modules(state)
+    out = []
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out.append((key, load_module(key, value)))
+        elif isinstance(value, torch.optim.Optimizer):
+            out.append((key, load_optimizer(key, value, modules)))
+        else:
+            out.append((key, load_value(key, value, state)))
+    return out
+
+
+def check_framework(state: dict, framework: str | None) -> None:
+    """ByteCheckpoint-style `framework=`: optional, and checked against what the modules are."""
+    if framework is None:
+        return
+    if framework not in FRAMEWORKS:
+        raise UnsupportedError(f"framework={framework!r} is not one of {', '.join(FRAMEWORKS)}")
+    found = {k: detect_framework(m) for k, m in _modules(state).items()}
+    compatible = {"fsdp2": {"fsdp2"}, "ddp": {"ddp"}, "fsdp": {"fsdp"}, "dtensor": {"dtensor", "fsdp2"},
+                  "plain": {"plain"}, "megatron": {"megatron"}}[framework]
+    wrong = {k: f for k, f in found.items() if f not in compatible}
+    if wrong:
+        raise UnsupportedError(
+            f"framework={framework!r} was given but the modules are " +
+            ", ".join(f"{k!r}: {f}" for k, f in wrong.items()) + "; omit framework= to detect it")
+
+
+__all__ = ["LoadTarget", "RNGState", "SaveItems", "TensorShard", "check_framework", "collect_load",
+           "collect_save", "detect_framework"]

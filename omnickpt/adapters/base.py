@@ -1,0 +1,123 @@
+"""What every adapter produces: tensor shards (boxes of global tensors) and plain objects."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from omnickpt.errors import UnsupportedError
+from omnickpt.format.objects import ShardRef
+from omnickpt.layout import Box
+
+SEP = "/"
+
+
+@dataclass
+class TensorShard:
+    """This rank's `local` data is box `box` of the global tensor `name` (shape, dtype)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    box: Box
+    local: torch.Tensor
+
+
+@dataclass
+class SaveItems:
+    shards: list[TensorShard] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)   # object key -> value to encode
+    framework: str | None = None
+
+
+@dataclass
+class LoadTarget:
+    """Where loaded data goes for one top-level state entry.
+
+    `shards` are destinations filled in place; `objects` names the object keys wanted;
+    `finish(objects)` installs everything (load_state_dict, writing plain values back), given the
+    decoded objects, after all shards are filled. `prefix` is the tensor-name prefix this entry
+    owns, so that checkpoint tensors under it that no shard wants can be reported.
+    """
+    prefix: str
+    shards: list[TensorShard] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+    finish: Callable[[dict[str, Any]], None] = lambda objects: None
+    framework: str | None = None
+    # Optional: build the destinations once the manifest is known (optimizer state that does
+    # not exist yet). Called with the manifest before shards are read.
+    prepare: Callable[[Any], None] | None = None
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def dtensor_shards(name: str, t) -> list[TensorShard]:
+    """The box this rank holds of a DTensor."""
+    from torch.distributed.tensor import Partial
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise UnsupportedError(f"tensor {name!r} is a DTensor with a Partial placement; reduce it before saving")
+    chunks = t.__create_chunk_list__()
+    local = t.to_local()
+    if len(chunks) != 1:
+        raise UnsupportedError(f"tensor {name!r}: DTensor local shard is not one regular box ({len(chunks)} chunks)")
+    c = chunks[0]
+    box = Box(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes))
+    if tuple(local.shape) != box.lengths:
+        raise UnsupportedError(f"tensor {name!r}: local shape {tuple(local.shape)} differs from its box {box}")
+    # An empty box (uneven shards leave some ranks nothing) is kept: it tells the loader the
+    # tensor is wanted here, and it plans no reads or writes.
+    return [TensorShard(name, tuple(t.shape), t.dtype, box, local)]
+
+
+def full_shard(name: str, t: torch.Tensor) -> TensorShard:
+    """A plain tensor that this rank holds entirely (a replica when other ranks hold it too)."""
+    return TensorShard(name, tuple(t.shape), t.dtype, Box.full(t.shape), t)
+
+
+def tensor_shards(name: str, t: torch.Tensor) -> list[TensorShard]:
+    return dtensor_shards(name, t) if is_dtensor(t) else [full_shard(name, t)]
+
+
+def split_dtensors(value: Any, prefix: str, shards: list[TensorShard]) -> Any:
+    """Replace each DTensor inside nested dicts/lists by a ShardRef, collecting its shards.
+
+    Plain tensors stay in the value (saved per rank with the object), since nothing says they
+    are the same on every rank.
+    """
+    if is_dtensor(value):
+        shards.extend(dtensor_shards(prefix, value))
+        return ShardRef(prefix)
+    if isinstance(value, dict):
+        return {k: split_dtensors(v, f"{prefix}{SEP}{k}", shards) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [split_dtensors(v, f"{prefix}{SEP}{i}", shards) for i, v in enumerate(value)]
+        return type(value)(out) if isinstance(value, tuple) and type(value) is tuple else out
+    return value
+
+
+def restore_refs(value: Any, resolve: Callable[[str], Any]) -> Any:
+    """Inverse of split_dtensors: ShardRefs become the target's (now filled) tensors."""
+    if isinstance(value, ShardRef):
+        return resolve(value.name)
+    if isinstance(value, dict):
+        return {k: restore_refs(v, resolve) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_refs(v, resolve) for v in value]
+    if isinstance(value, tuple):
+        return tuple(restore_refs(v, resolve) for v in value)
+    return value
+
+
+def collect_dtensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    """name -> DTensor for every DTensor nested in `value` (the load-side mirror of split_dtensors)."""
+    if is_dtensor(value):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            collect_dtensors(v, f"{prefix}{SEP}{k}", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            collect_dtensors(v, f"{prefix}{SEP}{i}", out)

@@ -1,0 +1,94 @@
+"""nn.Module adapter: plain modules, DDP, FSDP2 (fully_shard), DTensor tensor parallel, 2-D meshes.
+
+Uses only the public state_dict()/load_state_dict() contract: FSDP2 and tensor-parallel modules
+already hand out DTensors whose boxes we read off, DDP and plain modules hand out whole tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, is_dtensor, tensor_shards
+from omnickpt.errors import UnsupportedError
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's names (no 'module.' / '_orig_mod.')."""
+    from torch.nn.parallel import DistributedDataParallel
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def detect_framework(module: nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    inner = unwrap(module)
+    if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
+        return "fsdp"
+    if any(isinstance(m, FSDPModule) for m in inner.modules()):
+        return "fsdp2"
+    if any(is_dtensor(p) for p in inner.parameters()):
+        return "dtensor"
+    return "plain"
+
+
+def _refuse_fsdp1(key: str, framework: str) -> None:
+    if framework == "fsdp":
+        raise UnsupportedError(
+            f"{key}: FSDP1 (FullyShardedDataParallel) modules are not supported yet; use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard) or save the module's full state dict")
+
+
+def save_module(key: str, module: nn.Module) -> SaveItems:
+    framework = detect_framework(module)
+    _refuse_fsdp1(key, framework)
+    items = SaveItems(framework=framework)
+    extra = {}
+    with torch.no_grad():
+        for name, value in unwrap(module).state_dict().items():
+            if isinstance(value, torch.Tensor):
+                items.shards.extend(tensor_shards(f"{key}{SEP}{name}", value.detach()))
+            else:
+                extra[name] = value   # e.g. get_extra_state() values
+    if extra:
+        items.objects[key] = extra
+    return items
+
+
+def load_module(key: str, module: nn.Module) -> LoadTarget:
+    framework = detect_framework(module)
+    _refuse_fsdp1(key, framework)
+    inner = unwrap(module)
+    # keep_vars=True hands back the parameters and buffers themselves: filling them in place
+    # loads the module with no second copy.
+    sd = inner.state_dict(keep_vars=True)
+    owned = {id(t) for t in inner.parameters()} | {id(t) for t in inner.buffers()}
+    target = LoadTarget(prefix=f"{key}{SEP}", framework=framework)
+    copies: dict[str, torch.Tensor] = {}
+    extra_keys = []
+    for name, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            dest = value.detach()
+            target.shards.extend(tensor_shards(f"{key}{SEP}{name}", dest))
+            if id(value) not in owned:
+                copies[name] = dest   # produced by a state-dict hook: install with load_state_dict
+        else:
+            extra_keys.append(name)
+    if extra_keys:
+        target.objects.append(key)
+
+    def finish(objects):
+        install = dict(copies)
+        install.update(objects.get(key) or {})
+        if install:
+            inner.load_state_dict(install, strict=False)
+
+    target.finish = finish
+    return target

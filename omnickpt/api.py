@@ -1,0 +1,432 @@
+"""The public API: save(), load() and the Checkpointer that owns thread pools, staging memory and
+the plan cache. Module-level save()/load() use one default Checkpointer per process."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from omnickpt import __version__
+from omnickpt.adapters import check_framework, collect_load, collect_save
+from omnickpt.comm import Comm
+from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, read_tensors, snapshot
+from omnickpt.engine.save import CONTROL_DIR, staging_size
+from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, NotCommittedError)
+from omnickpt.format import MANIFEST_NAME, Manifest, dtype_name, encode_object
+from omnickpt.monitor import PhaseTimer, summarize
+from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structure_digest
+from omnickpt.storage import Storage, storage_for
+
+REPORT_NAME = "report.json"
+_POLL_MAX = 0.05
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at `storage`, or NotCommittedError saying why there is none."""
+    try:
+        raw = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        if storage.exists("") and (storage.list("data") or storage.list(CONTROL_DIR)):
+            raise NotCommittedError(
+                f"{storage.describe()} is not a committed checkpoint: it has data files but no {MANIFEST_NAME} "
+                "(an interrupted or failed save); load an earlier checkpoint") from None
+        raise NotCommittedError(f"{storage.describe()} is not a committed checkpoint: no {MANIFEST_NAME} there") from None
+    return Manifest.decode(raw, where=storage.describe(MANIFEST_NAME))
+
+
+def is_committed(path: str) -> bool:
+    try:
+        return storage_for(path).exists(MANIFEST_NAME)
+    except CheckpointError:
+        return False
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What load() returns: the differences it skipped (strict=False) and the timing report."""
+    differences: list[str]
+    report: dict
+
+
+class SaveHandle:
+    """A save in progress (or done). wait() returns the report once the checkpoint is committed."""
+
+    def __init__(self, path: str, save_id: str, storage: Storage, future: Future | None, report: dict | None,
+                 coordinator: bool, timeout: float):
+        self.path, self.save_id = path, save_id
+        self._storage, self._future, self._report = storage, future, report
+        self._coordinator, self._timeout = coordinator, timeout
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        if self._report is not None:
+            return True
+        if self._future is not None and not self._future.done():
+            return False
+        if self._coordinator:
+            return True
+        return self._status() is not None
+
+    def wait(self, timeout: float | None = None) -> dict:
+        with self._lock:
+            if self._report is not None:
+                return self._report
+            limit = self._timeout if timeout is None else timeout
+            report = self._future.result(timeout=limit) if self._future is not None else None
+            if not self._coordinator:
+                report = self._await_commit(limit)
+            self._report = report
+            return report
+
+    def _status(self) -> dict | None:
+        try:
+            return json.loads(self._storage.read_bytes(f"{CONTROL_DIR}/{self.save_id}/status.json"))
+        except FileNotFoundError:
+            return None
+
+    def _await_commit(self, limit: float) -> dict:
+        deadline, delay = time.monotonic() + limit, 0.001
+        while (status := self._status()) is None:
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(
+                    f"save to {self.path}: the coordinator (rank 0) did not commit within {limit:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        if status["state"] != "committed":
+            raise CheckpointError(f"save to {self.path} failed: {status.get('error')}")
+        try:
+            return json.loads(self._storage.read_bytes(REPORT_NAME))
+        except FileNotFoundError:
+            return {}
+
+
+class Checkpointer:
+    """Owns the I/O threads, the staging pools and the plan cache. Create one per training job (or
+    use the module-level save/load), call close() when done."""
+
+    def __init__(self, *, process_group: Any = None, io_workers: int = 4, timeout: float = 1800.0,
+                 staging_slots: int = 2):
+        self._group = process_group
+        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="omnickpt-io")
+        self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist")
+        self._pool = StagingPool(staging_slots)
+        self._plans: dict[int, tuple] = {}
+        self._comms: dict[int, Comm] = {}
+        self._inflight: dict[str, SaveHandle] = {}
+        self.timeout = timeout
+
+    def comm(self, process_group: Any = None) -> Comm:
+        group = process_group if process_group is not None else self._group
+        key = id(group)
+        if key not in self._comms:
+            self._comms[key] = Comm(group)
+        return self._comms[key]
+
+    def close(self) -> None:
+        for h in list(self._inflight.values()):
+            try:
+                h.wait()
+            except CheckpointError:
+                pass
+        self._persist.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ save
+    def save(self, path: str, state: dict, *, async_save: bool = False, process_group: Any = None,
+             allow_pickle: bool = False, durable: bool = True,
+             on_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
+        t_start = time.perf_counter()
+        path = str(path)
+        comm = self.comm(process_group)
+        storage = storage_for(path)
+        timer = PhaseTimer()
+        prev = self._inflight.get(storage.describe())
+        if prev is not None and not prev.done():
+            raise CheckpointError(f"a save to {path} is still in progress; wait() for it before saving there again")
+
+        error, digest, shards, blobs, layout = None, "", [], {}, {}
+        try:
+            with timer.phase("plan"):
+                collected = collect_save(state)
+                shards = [s for _, items in collected for s in items.shards
+                          if s.box.numel or not any(s.shape)]   # drop empty local boxes
+                records = [ShardRecord(s.name, s.shape, dtype_name(s.dtype), s.dtype.itemsize, s.box) for s in shards]
+                digest = structure_digest(records)
+                layout = {"world_size": comm.world_size,
+                          "frameworks": {k: it.framework for k, it in collected if it.framework}}
+            with timer.phase("serialize"):
+                blobs = {k: encode_object(v, allow_pickle=allow_pickle, where=k)
+                         for _, items in collected for k, v in items.objects.items()}
+        except Exception as e:  # every rank must learn of it, or the others hang in the exchange
+            error = e
+        with timer.phase("plan"):
+            token = uuid.uuid4().hex[:16]
+            gathered = comm.all_gather_object((digest, token, None if error is None else f"rank {comm.rank}: {error}"))
+            _raise_first(error, [g[2] for g in gathered])
+            save_id = gathered[0][1]
+            digests = tuple(g[0] for g in gathered)
+            cached = self._plans.get(id(comm))
+            if cached is not None and cached[0] == digests:
+                writes, tensor_region, plan = cached[1], cached[2], cached[3]
+            else:
+                all_records = comm.gather_object(records)
+                parts = None
+                plan = None
+                if comm.is_coordinator:
+                    try:
+                        plan = build_global_plan(all_records)
+                        parts = [(plan.writes[r], plan.tensor_bytes[r], None) for r in range(comm.world_size)]
+                    except CheckpointError as e:
+                        parts = [(None, 0, str(e))] * comm.world_size
+                writes, tensor_region, err = comm.scatter_object(parts)
+                if err is not None:
+                    raise CheckpointError(f"planning the save to {path} failed: {err}")
+                self._plans[id(comm)] = (digests, writes, tensor_region, plan)
+
+        staging = None
+        if async_save:
+            pin = torch.cuda.is_available() and any(s.local.is_cuda for s in shards)
+            staging = self._pool.acquire(staging_size(tensor_region, blobs), pin=pin)
+        try:
+            snap = snapshot(shards, writes, tensor_region, blobs, staging, timer)
+        except BaseException:
+            if staging is not None:
+                self._pool.release(staging)
+            raise
+        timer.add("stall", time.perf_counter() - t_start)
+
+        job = functools.partial(self._persist_and_commit, storage, snap, comm, plan, save_id, layout, durable,
+                                timer, t_start, on_commit, async_save)
+        if not async_save:
+            report = job()
+            return SaveHandle(path, save_id, storage, None, report, comm.is_coordinator, self.timeout)
+        future = self._persist.submit(job)
+        handle = SaveHandle(path, save_id, storage, future, None, comm.is_coordinator, self.timeout)
+        self._inflight[storage.describe()] = handle
+        return handle
+
+    def _persist_and_commit(self, storage, snap, comm, plan, save_id, layout, durable, timer, t_start,
+                            on_commit, background):
+        try:
+            result = persist(storage, snap, comm.rank, save_id, self._io, durable=durable, timer=timer)
+        except Exception as e:
+            result = RankResult(comm.rank, None, 0, [], error=f"rank {comm.rank}: {type(e).__name__}: {e}")
+        finally:
+            if snap.staging is not None:
+                self._pool.release(snap.staging)
+        result.timings = timer.as_dict()
+        if background:
+            # Background commits talk through storage, not collectives: a collective from this
+            # thread could interleave with the training loop's own collectives.
+            _put_json(storage, f"{CONTROL_DIR}/{save_id}/r{comm.rank:05d}.json", dataclasses.asdict(result))
+            if not comm.is_coordinator:
+                if result.error:
+                    raise CheckpointError(result.error)
+                return None
+            results = self._await_results(storage, save_id, comm.world_size)
+            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit)
+            if outcome is not None:
+                raise CheckpointError(outcome)
+            return report
+        results = comm.gather_object(result)
+        outcome, report = (None, None)
+        if comm.is_coordinator:
+            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit)
+        outcome, report = comm.broadcast_object((outcome, report))
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        return report
+
+    def _await_results(self, storage, save_id, world_size) -> list[RankResult]:
+        deadline, delay = time.monotonic() + self.timeout, 0.001
+        prefix = f"{CONTROL_DIR}/{save_id}"
+        while True:
+            names = [p for p in storage.list(prefix) if p.rsplit("/", 1)[-1].startswith("r")]
+            if len(names) >= world_size:
+                break
+            if time.monotonic() > deadline:
+                have = {int(p.rsplit("/r", 1)[-1].split(".")[0]) for p in names}
+                missing = sorted(set(range(world_size)) - have)
+                msg = (f"ranks {missing} did not finish writing within {self.timeout:.0f} s; nothing was "
+                       "committed and the previous checkpoint is untouched")
+                _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
+                raise CheckpointTimeoutError(f"save to {storage.describe()}: {msg}")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        results = []
+        for r in range(world_size):
+            d = json.loads(storage.read_bytes(f"{prefix}/r{r:05d}.json"))
+            results.append(RankResult(**d))
+        return results
+
+    def _commit(self, storage, plan, results, save_id, layout, t_start, on_commit):
+        """Coordinator only. Returns (error message or None, report)."""
+        errors = [r.error for r in results if r.error]
+        prefix = f"{CONTROL_DIR}/{save_id}"
+        if errors:
+            msg = "; ".join(errors) + " (nothing was committed; the previous checkpoint is untouched)"
+            _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
+            return msg, None
+        try:
+            t0 = time.perf_counter()
+            manifest = build_manifest(plan, results, save_id=save_id, layout=layout, tool_version=__version__)
+            storage.commit(MANIFEST_NAME, manifest.encode())
+            commit_seconds = time.perf_counter() - t0
+            results[0].timings["seconds"]["commit"] = commit_seconds
+            report = summarize("save", [r.timings for r in results], total_seconds=time.perf_counter() - t_start)
+            report["path"] = storage.describe()
+            report["save_id"] = save_id
+            _put_json(storage, REPORT_NAME, report)
+            _put_json(storage, f"{prefix}/status.json", {"state": "committed"})
+            collect_garbage(storage, manifest)
+            if on_commit is not None:
+                on_commit(manifest)
+            return None, report
+        except Exception as e:
+            msg = f"commit by rank 0 failed: {type(e).__name__}: {e}"
+            try:
+                _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
+            except Exception:
+                pass
+            return msg, None
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: str, state: dict, *, strict: bool = True, allow_pickle: bool = False,
+             process_group: Any = None, verify: bool = True) -> LoadResult:
+        t_start = time.perf_counter()
+        path = str(path)
+        comm = self.comm(process_group)
+        storage = storage_for(path)
+        timer = PhaseTimer()
+        error = None
+        differences: list[str] = []
+        try:
+            with timer.phase("plan"):
+                manifest = read_manifest(storage)
+                targets = collect_load(state)
+                for _, t in targets:
+                    if t.prepare is not None:
+                        t.prepare(manifest)
+                wanted, dests, object_keys = [], [], []
+                for _, t in targets:
+                    names = {s.name for s in t.shards}
+                    for s in t.shards:
+                        entry = manifest.tensors.get(s.name)
+                        if entry is None:
+                            differences.append(f"{s.name}: missing from the checkpoint")
+                        elif entry.shape != s.shape:
+                            differences.append(f"{s.name}: shape {list(entry.shape)} in the checkpoint, "
+                                               f"{list(s.shape)} in the target")
+                        elif entry.dtype != dtype_name(s.dtype):
+                            differences.append(f"{s.name}: dtype {entry.dtype} in the checkpoint, "
+                                               f"{dtype_name(s.dtype)} in the target")
+                        else:
+                            wanted.append((s.name, s.box))
+                            dests.append(s.local)
+                    for name in manifest.tensors:
+                        if (name.startswith(t.prefix) or name == t.prefix.rstrip("/")) and name not in names:
+                            differences.append(f"{name}: in the checkpoint but not in the target state")
+                    for key in t.objects:
+                        if key in manifest.objects:
+                            object_keys.append(key)
+                        else:
+                            differences.append(f"{key}: missing from the checkpoint (no saved value)")
+                differences = sorted(set(differences))
+                if differences and strict:
+                    raise MismatchError(
+                        f"checkpoint {path} does not match the state to load ({len(differences)} "
+                        "difference(s); pass strict=False to load what matches):\n  " + "\n  ".join(differences),
+                        differences)
+                items = plan_reads(manifest, wanted)
+        except Exception as e:
+            error = e
+        _raise_first(error, comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}"))
+
+        try:
+            read_tensors(storage, manifest, items, [b for _, b in wanted], dests, self._io, verify=verify, timer=timer)
+            objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer)
+            with timer.phase("install"):
+                for _, t in targets:
+                    t.finish(objects)
+        except Exception as e:
+            error = e
+        gathered = comm.all_gather_object((None if error is None else f"rank {comm.rank}: {error}", timer.as_dict()))
+        _raise_first(error, [g[0] for g in gathered])
+        report = summarize("load", [g[1] for g in gathered], total_seconds=time.perf_counter() - t_start)
+        report["path"] = storage.describe()
+        return LoadResult(differences, report)
+
+
+def _raise_first(own: BaseException | None, messages: list[str | None]) -> None:
+    """Raise this rank's own error, or else the first other rank's, so all ranks fail together."""
+    if own is not None:
+        raise own
+    for m in messages:
+        if m is not None:
+            raise CheckpointError(f"another rank failed: {m}")
+
+
+def _put_json(storage: Storage, rel: str, doc: dict) -> None:
+    storage.commit(rel, json.dumps(doc, default=str).encode())
+
+
+# ---------------------------------------------------------------------- module-level API
+@functools.lru_cache(maxsize=1)
+def default_checkpointer() -> Checkpointer:
+    """The Checkpointer behind omnickpt.save/load (created on first use, one per process)."""
+    return Checkpointer()
+
+
+def save(path, state: dict, *, async_save: bool = False, process_group: Any = None, allow_pickle: bool = False,
+         durable: bool = True, framework: str | None = None, fast_saving: bool | None = None,
+         global_steps: int | None = None, checkpointer: Checkpointer | None = None, **_compat) -> SaveHandle:
+    """Save `state` (a dict of modules, optimizers, stateful objects, tensors, plain values) to `path`.
+
+    Every rank of the process group calls it. With async_save=True it returns once the state is
+    copied to host memory; SaveHandle.wait() returns once the checkpoint is committed. The
+    ByteCheckpoint call shape works too: framework= (checked), fast_saving= (async),
+    global_steps=N (saves to PATH/global_step_N and updates PATH/latest).
+    """
+    check_framework(state, framework)
+    if fast_saving is not None:
+        async_save = bool(fast_saving)
+    ckpt = checkpointer or default_checkpointer()
+    on_commit = None
+    if global_steps is not None:
+        root = str(path)
+        path = f"{root.rstrip('/')}/global_step_{int(global_steps)}"
+        step = int(global_steps)
+
+        def on_commit(_manifest, root=root, step=step):
+            storage_for(root).commit("latest", f"{step}\n".encode())
+    return ckpt.save(path, state, async_save=async_save, process_group=process_group, allow_pickle=allow_pickle,
+                     durable=durable, on_commit=on_commit)
+
+
+def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,
+         framework: str | None = None, fast_loading: bool | None = None, verify: bool = True,
+         checkpointer: Checkpointer | None = None, **_compat) -> LoadResult:
+    """Load the checkpoint at `path` into `state`, resharding to this process group's layout.
+
+    Modules, optimizers and stateful objects are loaded in place; plain values are written back
+    into `state`. strict=False loads what matches and returns the rest in `.differences`.
+    `fast_loading` is accepted for ByteCheckpoint compatibility (loading is always parallel).
+    """
+    check_framework(state, framework)
+    ckpt = checkpointer or default_checkpointer()
+    return ckpt.load(path, state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
+                     verify=verify)

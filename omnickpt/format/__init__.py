@@ -1,0 +1,24 @@
+"""The on-storage format: manifest schema, versioning, checksums, safe object encoding.
+
+docs/format.md is the human-readable specification of what this package writes.
+"""
+from omnickpt.format.checksum import checksum
+from omnickpt.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    SavedBox,
+    TensorEntry,
+    dtype_from_name,
+    dtype_name,
+)
+from omnickpt.format.objects import ShardRef, decode_object, encode_object
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileEntry", "Manifest", "ObjectEntry",
+    "SavedBox", "ShardRef", "TensorEntry", "checksum", "decode_object", "dtype_from_name", "dtype_name",
+    "encode_object",
+]

@@ -1,0 +1,20 @@
+"""Storage backends behind one narrow interface, chosen from the checkpoint path's URL."""
+from __future__ import annotations
+
+from omnickpt.storage.base import Segment, Storage
+from omnickpt.storage.local import LocalStorage
+
+
+def storage_for(path: str) -> Storage:
+    """The backend for `path`: a local path (or file://) today; s3://, shm:// and fsspec URLs
+    plug in here."""
+    path = str(path)
+    if path.startswith("file://"):
+        return LocalStorage(path[len("file://"):])
+    if "://" in path:
+        from omnickpt.errors import UnsupportedError
+        raise UnsupportedError(f"{path}: no storage backend for scheme {path.split('://')[0]!r} yet")
+    return LocalStorage(path)
+
+
+__all__ = ["LocalStorage", "Segment", "Storage", "storage_for"]
