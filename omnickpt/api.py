@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structu
 from omnickpt.storage import Storage, storage_for
 
 REPORT_NAME = "report.json"
+_RECORD = re.compile(r"r\d{5}\.json")   # a rank's record; temp files of a commit in progress do not match
 _POLL_MAX = 0.05
 
 
@@ -255,7 +257,7 @@ class Checkpointer:
         deadline, delay = time.monotonic() + self.timeout, 0.001
         prefix = f"{CONTROL_DIR}/{save_id}"
         while True:
-            names = [p for p in storage.list(prefix) if p.rsplit("/", 1)[-1].startswith("r")]
+            names = [p for p in storage.list(prefix) if _RECORD.fullmatch(p.rsplit("/", 1)[-1])]
             if len(names) >= world_size:
                 break
             if time.monotonic() > deadline:

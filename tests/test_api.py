@@ -1,0 +1,165 @@
+"""Engine and API behaviour on real gloo ranks: balanced writes, the plan cache, async snapshot
+semantics, the ByteCheckpoint call shape, CheckpointManager."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import omnickpt
+from dist import run_ranks
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 48), torch.nn.Linear(48, 8))
+
+
+def _ddp_scenarios(rank, world_size, root):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    model = DDP(_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    ckpt = omnickpt.Checkpointer()
+    comm = ckpt.comm()
+
+    # 1. balanced writes and the plan cache (sync saves)
+    before = comm.collectives
+    r1 = ckpt.save(f"{root}/a", {"model": model, "optimizer": opt}).wait()
+    first = comm.collectives - before
+    before = comm.collectives
+    ckpt.save(f"{root}/b", {"model": model, "optimizer": opt}).wait()
+    second = comm.collectives - before
+    out["bytes_per_rank"] = r1["bytes_per_rank"]
+    out["sync_collectives"] = (first, second)
+
+    # 2. async saves: the checkpoint holds the values at the time of the call, even though the
+    # parameters change right after it returns and a second save starts before the first commits.
+    before = comm.collectives
+    h1 = ckpt.save(f"{root}/c1", {"model": model, "optimizer": opt}, async_save=True)
+    async_first = comm.collectives - before
+    snap1 = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = comm.collectives
+    h2 = ckpt.save(f"{root}/c2", {"model": model, "optimizer": opt}, async_save=True)
+    async_second = comm.collectives - before
+    snap2 = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.0)
+    rep1, rep2 = h1.wait(), h2.wait()
+    out["async_collectives"] = (async_first, async_second)
+    out["async_reports"] = (rep1["save_id"] if rank == 0 else None, "stall" in rep1["phases"])
+    for path, snap in ((f"{root}/c1", snap1), (f"{root}/c2", snap2)):
+        fresh = _mlp(seed=1)
+        ckpt.load(path, {"model": fresh}, strict=False)
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, snap[k]), (path, k)
+
+    # 3. a structure change invalidates the cache: the planning exchange runs again
+    model2 = DDP(torch.nn.Linear(3, 3))
+    before = comm.collectives
+    ckpt.save(f"{root}/d", {"model": model2}).wait()
+    out["changed_collectives"] = comm.collectives - before
+    ckpt.close()
+    return out
+
+
+def test_ddp_balanced_writes_plan_cache_and_async_snapshots(tmp_path):
+    res = run_ranks(2, _ddp_scenarios, str(tmp_path))
+    r0 = res[0]
+    # Replicas are written once and the work is split: each rank writes about half.
+    b = r0["bytes_per_rank"]
+    total = sum(b)
+    manifest = omnickpt.read_manifest(omnickpt.storage.storage_for(str(tmp_path / "a")))
+    biggest = max(t.nbytes for t in manifest.tensors.values())
+    tensor_bytes = sum(t.nbytes for t in manifest.tensors.values())
+    object_bytes = sum(e.nbytes for es in manifest.objects.values() for e in es)
+    n_pieces = sum(len(t.boxes) for t in manifest.tensors.values()) + 4
+    # every tensor byte written exactly once (plus alignment padding and the per-rank objects)
+    assert tensor_bytes <= total <= tensor_bytes + 2 * object_bytes + 64 * n_pieces
+    assert all(x > 0 for x in b) and abs(b[0] - b[1]) <= biggest, b
+    # Sync save: all_gather(digest) + gather(plan) + scatter(plan) + gather(results) + broadcast.
+    # The second save of the same structure skips the planning exchange (gather + scatter).
+    first, second = r0["sync_collectives"]
+    assert first - second == 2, r0["sync_collectives"]
+    # Async save on a cache hit: one small all_gather in the call, nothing else on the training
+    # thread's process group (the commit goes through storage).
+    assert r0["async_collectives"] == (1, 1), r0["async_collectives"]
+    assert r0["changed_collectives"] == first
+    assert res[0]["async_reports"][1]
+
+
+def test_single_process_async_and_report(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    h = omnickpt.save(tmp_path / "ck", {"model": model, "optimizer": opt}, async_save=True)
+    report = h.wait()
+    assert h.done()
+    for phase in ("plan", "snapshot", "stall", "checksum", "write", "fsync", "commit"):
+        assert phase in report["phases"], phase
+    on_disk = json.loads((tmp_path / "ck" / "report.json").read_text())
+    assert on_disk["save_id"] == report["save_id"]
+    assert report["bytes_per_rank"][0] == sum(os.path.getsize(tmp_path / "ck" / "data" / f)
+                                              for f in os.listdir(tmp_path / "ck" / "data"))
+    fresh = _mlp(seed=3)
+    opt2 = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.1)
+    res = omnickpt.load(tmp_path / "ck", {"model": fresh, "optimizer": opt2})
+    assert res.differences == []
+    assert "read" in res.report["phases"]
+    assert opt2.param_groups[0]["lr"] == 0.1 and opt2.param_groups[0]["momentum"] == 0.9
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_bytecheckpoint_call_shape(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optimizer": opt, "extra_state": {"step": 7, "note": "x"}}
+    h = omnickpt.save(str(tmp_path), state, framework="plain", fast_saving=True, global_steps=7)
+    assert isinstance(h, omnickpt.SaveHandle)
+    h.wait()
+    assert (tmp_path / "global_step_7" / "manifest.json").exists()
+    assert (tmp_path / "latest").read_text().strip() == "7"
+    target = {"model": _mlp(seed=5), "optimizer": torch.optim.Adam(_mlp(seed=5).parameters()), "extra_state": {}}
+    target["optimizer"] = torch.optim.Adam(target["model"].parameters())
+    omnickpt.load(str(tmp_path / "global_step_7"), target, framework="plain", fast_loading=True)
+    assert target["extra_state"] == {"step": 7, "note": "x"}
+    with pytest.raises(omnickpt.UnsupportedError, match="fsdp2"):
+        omnickpt.save(str(tmp_path), state, framework="fsdp2", global_steps=8)
+    with pytest.raises(omnickpt.UnsupportedError, match="not one of"):
+        omnickpt.save(str(tmp_path), state, framework="jax", global_steps=8)
+
+
+def test_manager_retention_latest_and_async(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters())
+    mgr = omnickpt.CheckpointManager(tmp_path, keep_last=2)
+    values = {}
+    for step in range(1, 6):
+        with torch.no_grad():
+            model[0].weight.fill_(float(step))
+        values[step] = model[0].weight.clone()
+        mgr.save(step, {"model": model, "optimizer": opt, "extra": {"step": step}}, async_save=True)
+    mgr.wait()
+    assert mgr.steps() == [4, 5]
+    assert mgr.latest_step() == 5
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step_")) == \
+        ["global_step_4", "global_step_5"]
+    # An interrupted save (no manifest) is never latest and never loaded.
+    (tmp_path / "global_step_9" / "data").mkdir(parents=True)
+    (tmp_path / "global_step_9" / "data" / "x-r00000.bin").write_bytes(b"partial")
+    assert mgr.latest_step() == 5
+    fresh = _mlp(seed=9)
+    state = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters()), "extra": {}}
+    mgr.load_latest(state)
+    assert torch.equal(fresh[0].weight, values[5]) and state["extra"] == {"step": 5}
