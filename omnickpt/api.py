@@ -18,11 +18,13 @@ from omnickpt import __version__
 from omnickpt.adapters import check_framework, collect_load, collect_save
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, read_tensors, snapshot
+from omnickpt.engine.load import forward_replicas
 from omnickpt.engine.save import CONTROL_DIR, staging_size
 from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, NotCommittedError)
 from omnickpt.format import MANIFEST_NAME, Manifest, dtype_name, encode_object
 from omnickpt.monitor import PhaseTimer, summarize
 from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structure_digest
+from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.storage import Storage, storage_for
 
 REPORT_NAME = "report.json"
@@ -308,7 +310,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
     def load(self, path: str, state: dict, *, strict: bool = True, allow_pickle: bool = False,
-             process_group: Any = None, verify: bool = True) -> LoadResult:
+             process_group: Any = None, verify: bool = True, dedup_reads: bool = False) -> LoadResult:
         t_start = time.perf_counter()
         path = str(path)
         comm = self.comm(process_group)
@@ -359,7 +361,18 @@ class Checkpointer:
         _raise_first(error, comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}"))
 
         try:
-            read_tensors(storage, manifest, items, [b for _, b in wanted], dests, self._io, verify=verify, timer=timer)
+            boxes = [b for _, b in wanted]
+            if dedup_reads and comm.world_size > 1:
+                with timer.phase("plan"):
+                    wants = comm.all_gather_object([(item_key(it), it.nbytes) for it in items])
+                    forward = assign_readers(wants)
+                    readers = {key: reader for key, reader, _ in forward}
+                    mine = [i for i, it in enumerate(items) if readers.get(item_key(it), comm.rank) == comm.rank]
+                filled = read_tensors(storage, manifest, [items[i] for i in mine], boxes, dests, self._io,
+                                      verify=verify, timer=timer)
+                forward_replicas(items, dict(zip(mine, filled)), forward, boxes, dests, comm.rank, comm.group, timer)
+            else:
+                read_tensors(storage, manifest, items, boxes, dests, self._io, verify=verify, timer=timer)
             objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer)
             with timer.phase("install"):
                 for _, t in targets:
@@ -421,7 +434,7 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
 
 def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,
          framework: str | None = None, fast_loading: bool | None = None, verify: bool = True,
-         checkpointer: Checkpointer | None = None, **_compat) -> LoadResult:
+         dedup_reads: bool = False, checkpointer: Checkpointer | None = None, **_compat) -> LoadResult:
     """Load the checkpoint at `path` into `state`, resharding to this process group's layout.
 
     Modules, optimizers and stateful objects are loaded in place; plain values are written back
@@ -431,4 +444,4 @@ def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, 
     check_framework(state, framework)
     ckpt = checkpointer or default_checkpointer()
     return ckpt.load(path, state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
-                     verify=verify)
+                     verify=verify, dedup_reads=dedup_reads)

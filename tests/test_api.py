@@ -163,3 +163,32 @@ def test_manager_retention_latest_and_async(tmp_path):
     state = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters()), "extra": {}}
     mgr.load_latest(state)
     assert torch.equal(fresh[0].weight, values[5]) and state["extra"] == {"step": 5}
+
+
+def _dedup_load(rank, world_size, root):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    omnickpt.save(f"{root}/a", {"model": model, "optimizer": opt}).wait()
+    out = {}
+    for dedup in (False, True):
+        fresh = DDP(_mlp(seed=7))
+        opt2 = torch.optim.Adam(fresh.parameters())
+        res = omnickpt.load(f"{root}/a", {"model": fresh, "optimizer": opt2}, dedup_reads=dedup)
+        for (k, a), b in zip(model.module.state_dict().items(), fresh.module.state_dict().values()):
+            assert torch.equal(a, b), (dedup, k)
+        for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        out[dedup] = res.report["bytes_per_rank"]
+    return out
+
+
+def test_zero_redundancy_load_reads_each_replica_once(tmp_path):
+    res = run_ranks(2, _dedup_load, str(tmp_path))
+    every_rank = res[0][False]
+    dedup = res[0][True]
+    # Without dedup every rank reads everything; with it the two ranks split the reading.
+    assert every_rank[0] == every_rank[1]
+    assert sum(dedup) < 0.6 * sum(every_rank) and min(dedup) > 0, (every_rank, dedup)

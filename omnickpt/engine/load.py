@@ -11,6 +11,7 @@ from omnickpt.format import Manifest, checksum, decode_object
 from omnickpt.layout import Box, element_runs, relative
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem
+from omnickpt.planner.load_plan import ForwardPlan, item_key
 from omnickpt.storage import Storage
 
 # Runs closer than this are read in one request (the gap goes to a scratch buffer): fewer
@@ -22,15 +23,22 @@ def _view_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
 
 
+def _dest_view(item: ReadItem, dest_box: Box, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the destination region of `item`, a contiguous tensor to fill: the region itself when it
+    is contiguous, else a temporary to copy from)."""
+    rel_dest = relative(item.region, dest_box)
+    view = dest[tuple(slice(o, o + l) for o, l in zip(rel_dest.offsets, rel_dest.lengths))] if dest.dim() else dest
+    compact = view if view.is_contiguous() else torch.empty(item.region.lengths, dtype=dest.dtype)
+    return view, compact
+
+
 def _read_one(storage: Storage, manifest: Manifest, item: ReadItem, dest_box: Box, dest: torch.Tensor,
-              verify: bool) -> int:
+              verify: bool) -> tuple[int, torch.Tensor]:
     sb = item.saved
     saved_box = Box(sb.offsets, sb.lengths)
     rel_saved = relative(item.region, saved_box)
-    rel_dest = relative(item.region, dest_box)
-    view = dest[tuple(slice(o, o + l) for o, l in zip(rel_dest.offsets, rel_dest.lengths))] if dest.dim() else dest
-    direct = view.is_contiguous()
-    compact = view if direct else torch.empty(item.region.lengths, dtype=dest.dtype)
+    view, compact = _dest_view(item, dest_box, dest)
+    direct = compact is view
     out = _view_bytes(compact)
     itemsize = dest.element_size()
     run_elems, _, starts = element_runs(rel_saved, sb.lengths)
@@ -68,19 +76,57 @@ def _read_one(storage: Storage, manifest: Manifest, item: ReadItem, dest_box: Bo
     if not direct:
         with torch.no_grad():
             view.copy_(compact)
-    return len(out)
+    return len(out), compact
 
 
 def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
-                 dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer) -> None:
+                 dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool,
+                 timer: PhaseTimer) -> list[torch.Tensor]:
+    """Read every item into its destination; returns each item's filled contiguous bytes (the
+    destination region itself, or the temporary it was copied from) for forwarding to peers."""
     with timer.phase("read"):
         if executor is None or len(items) <= 1:
-            n = sum(_read_one(storage, manifest, it, dest_boxes[it.dest], dests[it.dest], verify) for it in items)
+            done = [_read_one(storage, manifest, it, dest_boxes[it.dest], dests[it.dest], verify) for it in items]
         else:
             futs = [executor.submit(_read_one, storage, manifest, it, dest_boxes[it.dest], dests[it.dest], verify)
                     for it in items]
-            n = sum(f.result() for f in futs)
-    timer.count("read", n)
+            done = [f.result() for f in futs]
+    timer.count("read", sum(n for n, _ in done))
+    return [c for _, c in done]
+
+
+def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor], plan: "ForwardPlan",
+                     dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor], rank: int, group,
+                     timer: PhaseTimer) -> None:
+    """Zero-redundancy load, second half: readers send what they read to the other ranks that
+    want the same bytes; those receive straight into their destination where it is contiguous.
+
+    All ranks walk the shared keys in the same order, so the point-to-point pairs always match.
+    """
+    import torch.distributed as dist
+    by_key = {item_key(it): i for i, it in enumerate(items)}
+    with timer.phase("forward"):
+        ops, pending = [], []
+        for key, reader, others in plan:
+            i = by_key.get(key)
+            if i is None:
+                continue
+            if reader == rank:
+                for o in others:
+                    ops.append(dist.P2POp(dist.isend, compacts[i], dist.get_global_rank(group, o), group))
+            elif rank in others:
+                it = items[i]
+                view, compact = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
+                ops.append(dist.P2POp(dist.irecv, compact, dist.get_global_rank(group, reader), group))
+                if compact is not view:
+                    pending.append((view, compact))
+                timer.count("received", compact.numel() * compact.element_size())
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        with torch.no_grad():
+            for view, compact in pending:
+                view.copy_(compact)
 
 
 def read_objects(storage: Storage, manifest: Manifest, keys: Sequence[str], rank: int, *, allow_pickle: bool,

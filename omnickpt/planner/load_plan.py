@@ -17,8 +17,19 @@ class ReadItem:
     region: Box
 
     @property
+    def nbytes(self) -> int:
+        return self.region.numel * (self.saved.nbytes // max(1, _numel(self.saved.lengths)))
+
+    @property
     def whole_box(self) -> bool:
         return self.region.lengths == self.saved.lengths
+
+
+def _numel(lengths) -> int:
+    n = 1
+    for x in lengths:
+        n *= x
+    return n
 
 
 def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadItem]:
@@ -39,3 +50,38 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
     if gaps:
         raise MismatchError("the checkpoint does not cover every element this rank needs:\n  " + "\n  ".join(gaps), gaps)
     return items
+
+
+ItemKey = tuple   # (file, byte offset of the saved box, region offsets, region lengths)
+ForwardPlan = list[tuple[ItemKey, int, list[int]]]   # (key, reader rank, ranks it forwards to)
+
+
+def item_key(item: ReadItem) -> ItemKey:
+    """Identifies the exact bytes a read item needs: equal keys on two ranks mean the same bytes."""
+    return (item.saved.file, item.saved.offset, item.region.offsets, item.region.lengths)
+
+
+def assign_readers(wants: list[list[tuple[ItemKey, int]]]) -> ForwardPlan:
+    """Zero-redundancy loading: for bytes several ranks want, one of them reads and forwards.
+
+    `wants[r]` lists (key, nbytes) of rank r's reads. Largest first, each shared key goes to the
+    wanting rank that has the fewest bytes to read so far. Keys wanted by one rank stay with it
+    and are not listed. Every rank computes the same plan from the same input.
+    """
+    holders: dict[ItemKey, list[int]] = {}
+    size: dict[ItemKey, int] = {}
+    load = [0] * len(wants)
+    for rank, ws in enumerate(wants):
+        for key, nbytes in ws:
+            holders.setdefault(key, []).append(rank)
+            size[key] = nbytes
+    for key, hs in holders.items():
+        if len(hs) == 1:
+            load[hs[0]] += size[key]
+    plan: ForwardPlan = []
+    for key in sorted((k for k, hs in holders.items() if len(hs) > 1), key=lambda k: (-size[k], k)):
+        hs = holders[key]
+        reader = min(hs, key=lambda r: (load[r], r))
+        load[reader] += size[key]
+        plan.append((key, reader, [r for r in hs if r != reader]))
+    return plan
