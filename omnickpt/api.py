@@ -325,7 +325,7 @@ class Checkpointer:
                 for _, t in targets:
                     if t.prepare is not None:
                         t.prepare(manifest)
-                wanted, dests, object_keys = [], [], []
+                wanted, dests, object_keys, all_rank_keys = [], [], [], []
                 for _, t in targets:
                     names = {s.name for s in t.shards}
                     for s in t.shards:
@@ -344,11 +344,12 @@ class Checkpointer:
                     for name in manifest.tensors:
                         if (name.startswith(t.prefix) or name == t.prefix.rstrip("/")) and name not in names:
                             differences.append(f"{name}: in the checkpoint but not in the target state")
-                    for key in t.objects:
-                        if key in manifest.objects:
-                            object_keys.append(key)
-                        else:
-                            differences.append(f"{key}: missing from the checkpoint (no saved value)")
+                    for keys, into in ((t.objects, object_keys), (t.objects_from_all_ranks, all_rank_keys)):
+                        for key in keys:
+                            if key in manifest.objects:
+                                into.append(key)
+                            else:
+                                differences.append(f"{key}: missing from the checkpoint (no saved value)")
                 differences = sorted(set(differences))
                 if differences and strict:
                     raise MismatchError(
@@ -373,7 +374,8 @@ class Checkpointer:
                 forward_replicas(items, dict(zip(mine, filled)), forward, boxes, dests, comm.rank, comm.group, timer)
             else:
                 read_tensors(storage, manifest, items, boxes, dests, self._io, verify=verify, timer=timer)
-            objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer)
+            objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer,
+                                   all_ranks=all_rank_keys)
             with timer.phase("install"):
                 for _, t in targets:
                     t.finish(objects)

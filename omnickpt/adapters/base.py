@@ -42,6 +42,9 @@ class LoadTarget:
     prefix: str
     shards: list[TensorShard] = field(default_factory=list)
     objects: list[str] = field(default_factory=list)
+    # Object keys wanted with every saving rank's value ({saved rank: value} in `finish`), for
+    # state that is redistributed when the number of ranks changes.
+    objects_from_all_ranks: list[str] = field(default_factory=list)
     finish: Callable[[dict[str, Any]], None] = lambda objects: None
     framework: str | None = None
     # Optional: build the destinations once the manifest is known (optimizer state that does
