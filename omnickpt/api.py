@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -310,7 +310,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
     def load(self, path: str, state: dict, *, strict: bool = True, allow_pickle: bool = False,
-             process_group: Any = None, verify: bool = True, dedup_reads: bool = False) -> LoadResult:
+             process_group: Any = None, verify: bool = True, dedup_reads: bool = False,
+             transforms: Sequence[Any] = ()) -> LoadResult:
         t_start = time.perf_counter()
         path = str(path)
         comm = self.comm(process_group)
@@ -321,6 +322,9 @@ class Checkpointer:
         try:
             with timer.phase("plan"):
                 manifest = read_manifest(storage)
+                # Transforms rewrite the manifest into the target's naming and fusing (pure).
+                for transform in transforms:
+                    manifest = transform.apply(manifest)
                 targets = collect_load(state)
                 for _, t in targets:
                     if t.prepare is not None:
@@ -436,7 +440,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
 
 def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,
          framework: str | None = None, fast_loading: bool | None = None, verify: bool = True,
-         dedup_reads: bool = False, checkpointer: Checkpointer | None = None, **_compat) -> LoadResult:
+         dedup_reads: bool = False, transforms: Sequence[Any] = (), checkpointer: Checkpointer | None = None,
+         **_compat) -> LoadResult:
     """Load the checkpoint at `path` into `state`, resharding to this process group's layout.
 
     Modules, optimizers and stateful objects are loaded in place; plain values are written back
@@ -446,4 +451,4 @@ def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, 
     check_framework(state, framework)
     ckpt = checkpointer or default_checkpointer()
     return ckpt.load(path, state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
-                     verify=verify, dedup_reads=dedup_reads)
+                     verify=verify, dedup_reads=dedup_reads, transforms=transforms)

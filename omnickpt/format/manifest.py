@@ -39,11 +39,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str, where: str = "manifest") -> torch.dtype:
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):
-        raise CorruptCheckpointError(f"manifest names an unknown dtype {name!r}") from None
+        raise CorruptCheckpointError(f"{where} names an unknown dtype {name!r}") from None
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SavedBox:
     file: int          # index into Manifest.files
     offset: int        # byte offset in that file
     nbytes: int
-    checksum: int      # crc32c of the nbytes bytes
+    checksum: int | None   # crc32c of the nbytes bytes (None: a derived view, see transforms)
 
     def encode(self) -> list:
         return [list(self.offsets), list(self.lengths), self.file, self.offset, self.nbytes, self.checksum]
@@ -138,9 +138,12 @@ class Manifest:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: not valid JSON ({e}); the manifest is damaged") from None
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where}: not an omnickpt manifest (a JSON {type(doc).__name__}, "
+                                         "not an object); the manifest is damaged")
         try:
             return _decode(doc, where)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
@@ -149,7 +152,8 @@ def safe_relative_path(path: str, where: str) -> str:
     if not isinstance(path, str) or not path or "\\" in path or "\x00" in path:
         raise UnsafeCheckpointError(f"{where}: invalid data file path {path!r}")
     norm = posixpath.normpath(path)
-    if path.startswith("/") or norm.startswith("..") or norm != path or ":" in path.split("/")[0]:
+    # ".." as a whole component only: "..data/x" is a legal name inside the checkpoint.
+    if path.startswith("/") or norm == ".." or norm.startswith("../") or norm != path or ":" in path.split("/")[0]:
         raise UnsafeCheckpointError(
             f"{where}: data file path {path!r} escapes the checkpoint directory; refusing to load "
             "(a manifest may only name files inside its own checkpoint)")
@@ -165,11 +169,17 @@ def _decode(doc: dict, where: str) -> Manifest:
             f"{where}: format version {version} is newer than this omnickpt reads ({FORMAT_VERSION}); "
             "upgrade omnickpt")
     files = [FileEntry(safe_relative_path(f["path"], where), int(f["rank"]), int(f["bytes"])) for f in doc["files"]]
+    for f in files:
+        if f.rank < 0 or f.bytes < 0:
+            raise CorruptCheckpointError(f"{where}: data file {f.path!r} has an inconsistent record "
+                                         f"(rank {f.rank}, {f.bytes} bytes)")
     tensors: dict[str, TensorEntry] = {}
     for name, t in doc["tensors"].items():
         shape = tuple(int(s) for s in t["shape"])
+        if any(s < 0 for s in shape):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} has a negative dimension in shape {list(shape)}")
         dtype = t["dtype"]
-        itemsize = dtype_from_name(dtype).itemsize
+        itemsize = dtype_from_name(dtype, f"{where}: tensor {name!r}").itemsize
         boxes = []
         for raw in t["boxes"]:
             offs, lens, fi, off, nb, ck = raw
@@ -177,7 +187,8 @@ def _decode(doc: dict, where: str) -> Manifest:
             if (len(box.offsets) != len(shape) or len(box.lengths) != len(shape)
                     or any(o < 0 or l < 0 or o + l > s for o, l, s in zip(box.offsets, box.lengths, shape))):
                 raise CorruptCheckpointError(f"{where}: tensor {name!r} has a box {offs}+{lens} outside its shape {list(shape)}")
-            if box.nbytes != math.prod(box.lengths) * itemsize or not 0 <= box.file < len(files) or box.offset < 0:
+            if (box.nbytes != math.prod(box.lengths) * itemsize or not 0 <= box.file < len(files) or box.offset < 0
+                    or box.offset + box.nbytes > files[box.file].bytes):
                 raise CorruptCheckpointError(f"{where}: tensor {name!r} has an inconsistent box record {raw}")
             boxes.append(box)
         tensors[name] = TensorEntry(shape, dtype, boxes)
@@ -186,7 +197,8 @@ def _decode(doc: dict, where: str) -> Manifest:
         objects[key] = []
         for e in entries:
             oe = ObjectEntry([int(r) for r in e["ranks"]], int(e["file"]), int(e["offset"]), int(e["nbytes"]), int(e["checksum"]))
-            if not 0 <= oe.file < len(files) or not oe.ranks:
+            if (not 0 <= oe.file < len(files) or not oe.ranks or oe.offset < 0 or oe.nbytes < 0
+                    or oe.offset + oe.nbytes > files[oe.file].bytes):
                 raise CorruptCheckpointError(f"{where}: object {key!r} has an inconsistent record {e}")
             objects[key].append(oe)
     return Manifest(
