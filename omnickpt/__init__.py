@@ -7,9 +7,10 @@ from omnickpt.errors import (  # noqa: E402
     CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError, NotCommittedError, PlanError,
     StorageError, UnsafeCheckpointError, UnsupportedError)
 from omnickpt.manager import CheckpointManager  # noqa: E402
+from omnickpt.spec import ShardSpec  # noqa: E402
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
-    "LoadResult", "MismatchError", "NotCommittedError", "PlanError", "RNGState", "SaveHandle", "StorageError",
+    "LoadResult", "MismatchError", "NotCommittedError", "PlanError", "RNGState", "SaveHandle", "ShardSpec", "StorageError",
     "UnsafeCheckpointError", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
 ]

@@ -192,3 +192,30 @@ def test_zero_redundancy_load_reads_each_replica_once(tmp_path):
     # Without dedup every rank reads everything; with it the two ranks split the reading.
     assert every_rank[0] == every_rank[1]
     assert sum(dedup) < 0.6 * sum(every_rank) and min(dedup) > 0, (every_rank, dedup)
+
+
+def _shardspec(rank, world_size, root):
+    import torch.distributed as dist
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    bias = torch.linspace(0, 1, 5)
+    # Save from ranks {0, 1} of the 3 (a sub-group): uneven row split 4 + 3, bias replicated.
+    saver = dist.new_group([0, 1])
+    if rank < 2:
+        rows = [(0, 4), (4, 7)][rank]
+        state = {"w": omnickpt.ShardSpec(full[rows[0]:rows[1]].clone(), (rows[0], 0), (7, 5)),
+                 "extra": {"b": omnickpt.ShardSpec(bias.clone(), (0,), (5,), replicated=True)}}
+        omnickpt.save(f"{root}/spec", state, process_group=saver).wait()
+    dist.barrier()
+    # Load on all 3 ranks with a column split (2 + 2 + 1): boxes cross the saved ones.
+    cols = [(0, 2), (2, 4), (4, 5)][rank]
+    w = torch.zeros(7, cols[1] - cols[0])
+    b = torch.zeros(5)
+    omnickpt.load(f"{root}/spec", {"w": omnickpt.ShardSpec(w, (0, cols[0]), (7, 5)),
+                                   "extra": {"b": omnickpt.ShardSpec(b, (0,), (5,))}})
+    assert torch.equal(w, full[:, cols[0]:cols[1]]), rank
+    assert torch.equal(b, bias)
+    return True
+
+
+def test_shardspec_hand_sharded_tensors_reshard(tmp_path):
+    assert run_ranks(3, _shardspec, str(tmp_path)) == [True] * 3

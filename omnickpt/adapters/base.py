@@ -9,6 +9,7 @@ import torch
 from omnickpt.errors import UnsupportedError
 from omnickpt.format.objects import ShardRef
 from omnickpt.layout import Box
+from omnickpt.spec import ShardSpec
 
 SEP = "/"
 
@@ -53,12 +54,16 @@ class LoadTarget:
 
 
 def is_dtensor(t: Any) -> bool:
+    """A value that carries its own global layout: a DTensor or an explicit ShardSpec."""
     from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
+    return isinstance(t, (DTensor, ShardSpec))
 
 
 def dtensor_shards(name: str, t) -> list[TensorShard]:
-    """The box this rank holds of a DTensor."""
+    """The box this rank holds of a DTensor (or ShardSpec)."""
+    if isinstance(t, ShardSpec):
+        box = Box(t.offsets, tuple(int(n) for n in t.local.shape))
+        return [TensorShard(t.name or name, t.global_shape, t.local.dtype, box, t.local.detach())]
     from torch.distributed.tensor import Partial
     if any(isinstance(p, Partial) for p in t.placements):
         raise UnsupportedError(f"tensor {name!r} is a DTensor with a Partial placement; reduce it before saving")
@@ -92,7 +97,7 @@ def split_dtensors(value: Any, prefix: str, shards: list[TensorShard]) -> Any:
     """
     if is_dtensor(value):
         shards.extend(dtensor_shards(prefix, value))
-        return ShardRef(prefix)
+        return ShardRef(getattr(value, "name", None) or prefix)
     if isinstance(value, dict):
         return {k: split_dtensors(v, f"{prefix}{SEP}{k}", shards) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -117,7 +122,7 @@ def restore_refs(value: Any, resolve: Callable[[str], Any]) -> Any:
 def collect_dtensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
     """name -> DTensor for every DTensor nested in `value` (the load-side mirror of split_dtensors)."""
     if is_dtensor(value):
-        out[prefix] = value
+        out[getattr(value, "name", None) or prefix] = value
     elif isinstance(value, dict):
         for k, v in value.items():
             collect_dtensors(v, f"{prefix}{SEP}{k}", out)
