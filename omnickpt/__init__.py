@@ -2,6 +2,7 @@
 __version__ = "0.1.0"
 
 from omnickpt.adapters.rng import RNGState  # noqa: E402
+from omnickpt.data import DataParallelStateful, PackedTokenLoader, ReshardableSampler  # noqa: E402
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle, is_committed, load, read_manifest, save  # noqa: E402
 from omnickpt.errors import (  # noqa: E402
     CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError, NotCommittedError, PlanError,
@@ -11,6 +12,7 @@ from omnickpt.spec import ShardSpec  # noqa: E402
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
-    "LoadResult", "MismatchError", "NotCommittedError", "PlanError", "RNGState", "SaveHandle", "ShardSpec", "StorageError",
+    "DataParallelStateful", "LoadResult", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
+    "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError",
     "UnsafeCheckpointError", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
 ]

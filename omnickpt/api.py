@@ -30,6 +30,7 @@ from omnickpt.storage import Storage, storage_for
 REPORT_NAME = "report.json"
 _RECORD = re.compile(r"r\d{5}\.json")   # a rank's record; temp files of a commit in progress do not match
 _POLL_MAX = 0.05
+_PLAN_CACHE_SIZE = 4
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -177,15 +178,16 @@ class Checkpointer:
                          for _, items in collected for k, v in items.objects.items()}
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             error = e
-        with timer.phase("plan"):
+        with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
             token = uuid.uuid4().hex[:16]
             gathered = comm.all_gather_object((digest, token, None if error is None else f"rank {comm.rank}: {error}"))
-            _raise_first(error, [g[2] for g in gathered])
+        _raise_first(error, [g[2] for g in gathered])
+        with timer.phase("plan"):
             save_id = gathered[0][1]
             digests = tuple(g[0] for g in gathered)
-            cached = self._plans.get(id(comm))
-            if cached is not None and cached[0] == digests:
-                writes, tensor_region, plan = cached[1], cached[2], cached[3]
+            cached = self._plans.get((id(comm), digests))
+            if cached is not None:
+                writes, tensor_region, plan = cached
             else:
                 all_records = comm.gather_object(records)
                 parts = None
@@ -199,7 +201,10 @@ class Checkpointer:
                 writes, tensor_region, err = comm.scatter_object(parts)
                 if err is not None:
                     raise CheckpointError(f"planning the save to {path} failed: {err}")
-                self._plans[id(comm)] = (digests, writes, tensor_region, plan)
+                # A few structures stay cached (e.g. alternating model-only and full saves).
+                if len(self._plans) >= _PLAN_CACHE_SIZE:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[(id(comm), digests)] = (writes, tensor_region, plan)
 
         staging = None
         if async_save:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard
+from omnickpt.adapters.dataloader import is_dataloader_state, load_dataloader, save_dataloader
 from omnickpt.adapters.generic import load_value, save_value
 from omnickpt.adapters.module import detect_framework, load_module, save_module
 from omnickpt.adapters.optimizer import load_optimizer, save_optimizer
@@ -40,6 +41,8 @@ def collect_save(state: dict) -> list[tuple[str, SaveItems]]:
             out.append((key, save_module(key, value)))
         elif isinstance(value, torch.optim.Optimizer):
             out.append((key, save_optimizer(key, value, modules)))
+        elif is_dataloader_state(value):
+            out.append((key, save_dataloader(key, value)))
         else:
             out.append((key, save_value(key, value)))
     return out
@@ -54,6 +57,8 @@ def collect_load(state: dict) -> list[tuple[str, LoadTarget]]:
             out.append((key, load_module(key, value)))
         elif isinstance(value, torch.optim.Optimizer):
             out.append((key, load_optimizer(key, value, modules)))
+        elif is_dataloader_state(value):
+            out.append((key, load_dataloader(key, value)))
         else:
             out.append((key, load_value(key, value, state)))
     return out

@@ -11,7 +11,7 @@ from omnickpt.format import Manifest, checksum, decode_object
 from omnickpt.layout import Box, element_runs, relative
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem
-from omnickpt.planner.load_plan import ForwardPlan, item_key
+from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan, item_key, stored_region
 from omnickpt.storage import Storage
 
 # Runs closer than this are read in one request (the gap goes to a scratch buffer): fewer
@@ -35,13 +35,20 @@ def _dest_view(item: ReadItem, dest_box: Box, dest: torch.Tensor) -> tuple[torch
 def _read_one(storage: Storage, manifest: Manifest, item: ReadItem, dest_box: Box, dest: torch.Tensor,
               verify: bool) -> tuple[int, torch.Tensor]:
     sb = item.saved
-    saved_box = Box(sb.offsets, sb.lengths)
-    rel_saved = relative(item.region, saved_box)
     view, compact = _dest_view(item, dest_box, dest)
     direct = compact is view
+    if sb.file == ZERO_FILL:
+        # A region no stored bytes back (pad rows added by a transform): it loads as zeros.
+        with torch.no_grad():
+            view.zero_()
+            if not direct:
+                compact.zero_()
+        return 0, compact
     out = _view_bytes(compact)
     itemsize = dest.element_size()
-    run_elems, _, starts = element_runs(rel_saved, sb.lengths)
+    # The stored block may be larger than the saved box when a transform made it a window.
+    rel_saved, stored_lengths = stored_region(item)
+    run_elems, _, starts = element_runs(rel_saved, stored_lengths)
     run_bytes = run_elems * itemsize
     path = manifest.files[sb.file].path
     # Group runs into requests; each request fills consecutive pieces of `out`.

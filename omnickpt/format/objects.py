@@ -48,6 +48,10 @@ def encode_object(value, *, allow_pickle: bool = False, where: str = "object") -
             return dict(obj)
         if isinstance(obj, list):
             return list(obj)
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            # before the subclass branch below: np.float64 is a float subclass, and would come back
+            # as a plain float
+            return msgpack.ExtType(_NPSCALAR, _pack([obj.dtype.str, obj.tobytes()]))
         if isinstance(obj, (int, float, str, bytes)) and type(obj) not in (int, float, str, bytes):
             if isinstance(obj, int) and not isinstance(obj, bool):
                 return int(obj)
@@ -57,10 +61,9 @@ def encode_object(value, *, allow_pickle: bool = False, where: str = "object") -
         if isinstance(obj, (set, frozenset)):
             return msgpack.ExtType(_SET, _pack(sorted(obj, key=repr)))
         if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
-            arr = np.ascontiguousarray(obj)
-            return msgpack.ExtType(_NDARRAY, _pack([arr.dtype.str, list(arr.shape), arr.tobytes()]))
-        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
-            return msgpack.ExtType(_NPSCALAR, _pack([obj.dtype.str, obj.tobytes()]))
+            # tobytes() is row-major for any strides; obj.shape, not ascontiguousarray's, which
+            # turns a 0-d array into a 1-d one
+            return msgpack.ExtType(_NDARRAY, _pack([obj.dtype.str, list(obj.shape), obj.tobytes(order="C")]))
         if isinstance(obj, ShardRef):
             return msgpack.ExtType(_SHARDREF, obj.name.encode())
         if isinstance(obj, torch.dtype):

@@ -7,6 +7,33 @@ from omnickpt.errors import MismatchError
 from omnickpt.format.manifest import Manifest, SavedBox
 from omnickpt.layout import Box, intersect
 
+# SavedBox.file of a box that is not stored at all: its elements load as zeros. Only transforms
+# make such boxes (the pad rows of a padded vocabulary, omnickpt/transforms.py); a manifest read
+# from storage never holds one (Manifest.decode rejects a negative file index).
+ZERO_FILL = -1
+
+
+@dataclass
+class WindowBox(SavedBox):
+    """A derived box (made by a transform) whose elements are a sub-box of a stored block.
+
+    The stored block is row-major over `base_lengths` at bytes [offset, offset + nbytes) of the
+    file; this box's element (0, ..., 0) lies at `base_start` inside it. A plain SavedBox is the
+    case base_lengths == lengths, base_start == 0. Windows let a transform select along any
+    dimension (not only contiguous leading rows); the reader turns them into strided runs.
+    """
+    base_lengths: tuple[int, ...] = ()
+    base_start: tuple[int, ...] = ()
+
+
+def stored_region(item: "ReadItem") -> tuple[Box, tuple[int, ...]]:
+    """(item.region in the local coordinates of the stored block it reads from, that block's lengths)."""
+    sb = item.saved
+    rel = tuple(r - o for r, o in zip(item.region.offsets, sb.offsets))
+    if isinstance(sb, WindowBox):
+        return Box(tuple(r + s for r, s in zip(rel, sb.base_start)), item.region.lengths), sb.base_lengths
+    return Box(rel, item.region.lengths), sb.lengths
+
 
 @dataclass(frozen=True)
 class ReadItem:
@@ -18,7 +45,8 @@ class ReadItem:
 
     @property
     def nbytes(self) -> int:
-        return self.region.numel * (self.saved.nbytes // max(1, _numel(self.saved.lengths)))
+        stored = self.saved.base_lengths if isinstance(self.saved, WindowBox) else self.saved.lengths
+        return self.region.numel * (self.saved.nbytes // max(1, _numel(stored)))
 
     @property
     def whole_box(self) -> bool:
@@ -37,7 +65,10 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
     items: list[ReadItem] = []
     gaps: list[str] = []
     for di, (name, box) in enumerate(wanted):
-        entry = manifest.tensors[name]
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            gaps.append(f"{name}: missing from the checkpoint")
+            continue
         covered = 0
         for sb in entry.boxes:
             region = intersect(Box(sb.offsets, sb.lengths), box)
@@ -52,13 +83,18 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
     return items
 
 
-ItemKey = tuple   # (file, byte offset of the saved box, region offsets, region lengths)
+ItemKey = tuple   # (tensor name, file, byte offset of the saved box, region offsets, region lengths)
 ForwardPlan = list[tuple[ItemKey, int, list[int]]]   # (key, reader rank, ranks it forwards to)
 
 
 def item_key(item: ReadItem) -> ItemKey:
-    """Identifies the exact bytes a read item needs: equal keys on two ranks mean the same bytes."""
-    return (item.saved.file, item.saved.offset, item.region.offsets, item.region.lengths)
+    """Identifies the exact bytes a read item needs: equal keys on two ranks mean the same bytes.
+
+    The tensor name is part of the key: after transforms two tensors can read the same stored
+    bytes at equal region coordinates (a tied alias, two windows of one fused box, two zero-fill
+    pads), and one rank must never see two of its items under one key.
+    """
+    return (item.name, item.saved.file, item.saved.offset, item.region.offsets, item.region.lengths)
 
 
 def assign_readers(wants: list[list[tuple[ItemKey, int]]]) -> ForwardPlan:
@@ -73,6 +109,8 @@ def assign_readers(wants: list[list[tuple[ItemKey, int]]]) -> ForwardPlan:
     load = [0] * len(wants)
     for rank, ws in enumerate(wants):
         for key, nbytes in ws:
+            if key[1] == ZERO_FILL:
+                continue   # zeros are cheaper to make than to receive: every rank fills its own
             holders.setdefault(key, []).append(rank)
             size[key] = nbytes
     for key, hs in holders.items():

@@ -1,0 +1,177 @@
+"""Planning is pure: plans for many ranks are built here from plain records, with no processes."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from omnickpt.errors import MismatchError, PlanError
+from omnickpt.format import FileEntry, Manifest, SavedBox, TensorEntry
+from omnickpt.layout import Box, flat_range_to_boxes
+from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structure_digest
+from omnickpt.planner.save_plan import ALIGN
+
+
+def rec(name, shape, box: Box | None = None, dtype="float32", itemsize=4) -> ShardRecord:
+    return ShardRecord(name, tuple(shape), dtype, itemsize, box or Box.full(shape))
+
+
+def _written(plan) -> list[tuple[int, ShardRecord]]:
+    """(rank, record) for every box the plan writes."""
+    return [(r, plan.records[r][w.index]) for r, ws in enumerate(plan.writes) for w in ws]
+
+
+def _check_file_layout(plan):
+    for rank, ws in enumerate(plan.writes):
+        end = 0
+        for w in sorted(ws, key=lambda w: w.offset):
+            assert w.offset % ALIGN == 0 and w.offset >= end, (rank, w)
+            assert w.nbytes == plan.records[rank][w.index].nbytes
+            end = w.offset + w.nbytes
+        assert plan.tensor_bytes[rank] >= end
+
+
+# ---------------------------------------------------------------------------------------- save plan
+def test_replicas_are_written_exactly_once_and_shards_by_their_holder():
+    world = 3
+    records = []
+    for r in range(world):
+        shard = Box((2 * r, 0), (2, 4))
+        records.append([rec("model/replicated", (5, 5)), rec("model/sharded", (6, 4), shard),
+                        rec("model/bias", (7,))])
+    plan = build_global_plan(records)
+    written = _written(plan)
+    names = sorted(rc.name for _, rc in written)
+    assert names == ["model/bias", "model/replicated"] + ["model/sharded"] * world
+    for rank, rc in written:
+        if rc.name == "model/sharded":
+            assert rc.box.offsets == (2 * rank, 0)        # nobody else holds that box
+    _check_file_layout(plan)
+
+
+def test_two_ranks_with_the_same_ten_tensors_write_balanced_bytes():
+    rng = random.Random(5)
+    for trial in range(50):
+        sizes = [rng.randint(1, 4000) for _ in range(10)]
+        same = [rec(f"t{i}", (n,)) for i, n in enumerate(sizes)]
+        plan = build_global_plan([list(same), list(same)])
+        per_rank = plan.bytes_per_rank()
+        assert sum(per_rank) == sum(sizes) * 4                  # each tensor written once
+        assert sorted(rc.name for _, rc in _written(plan)) == sorted(r.name for r in same)
+        # within one tensor of each other (greedy largest-first onto the least-loaded rank)
+        assert abs(per_rank[0] - per_rank[1]) <= max(sizes) * 4, (trial, sizes, per_rank)
+        _check_file_layout(plan)
+
+
+def test_equal_replicas_split_evenly_over_many_ranks():
+    # 8 data-parallel ranks holding 64 equal tensors: 8 writes each, not everything on rank 0.
+    world = 8
+    records = [[rec(f"layer{i}.weight", (16, 16)) for i in range(64)] for _ in range(world)]
+    plan = build_global_plan(records)
+    assert [len(ws) for ws in plan.writes] == [8] * world
+    assert len(set(plan.bytes_per_rank())) == 1
+
+
+def test_thousands_of_ranks_plan_without_processes():
+    # FSDP-like: a row-sharded weight over 4096 ranks and a replicated bias.
+    world, rows = 4096, 8192
+    records = [[rec("w", (rows, 4), Box((2 * r, 0), (2, 4))), rec("b", (4,))] for r in range(world)]
+    plan = build_global_plan(records)
+    written = _written(plan)
+    assert len(written) == world + 1
+    assert sum(rc.box.numel for _, rc in written if rc.name == "w") == rows * 4
+    assert sum(1 for _, rc in written if rc.name == "b") == 1
+
+
+def test_flat_ranges_of_an_fsdp1_style_flat_parameter_plan_as_boxes():
+    # A flat parameter split unevenly over 3 ranks: each rank's range becomes boxes; together
+    # they write every element once.
+    shape = (5, 7, 3)
+    total = math.prod(shape)
+    cuts = [0, 31, 77, total]
+    records = [[rec("flat", shape, b) for b in flat_range_to_boxes(shape, cuts[r], cuts[r + 1] - cuts[r])]
+               for r in range(3)]
+    plan = build_global_plan(records)
+    count = np.zeros(shape, dtype=int)
+    for _, rc in _written(plan):
+        count[tuple(slice(o, o + n) for o, n in zip(rc.box.offsets, rc.box.lengths))] += 1
+    assert (count == 1).all()
+
+
+def test_conflicting_shapes_name_the_tensor_and_both_ranks():
+    records = [[rec("model/w", (4, 4))], [rec("model/w", (4, 4))], [rec("model/w", (4, 5))]]
+    with pytest.raises(PlanError) as info:
+        build_global_plan(records)
+    msg = str(info.value)
+    assert "'model/w'" in msg and "rank 0" in msg and "rank 2" in msg and "[4, 5]" in msg
+
+
+def test_conflicting_dtypes_and_boxes_outside_the_shape_are_plan_errors():
+    with pytest.raises(PlanError, match=r"rank 0 .*float32.* rank 1 .*bfloat16"):
+        build_global_plan([[rec("w", (4,))], [rec("w", (4,), dtype="bfloat16", itemsize=2)]])
+    with pytest.raises(PlanError, match=r"'w': rank 1 holds box .* outside shape \[4\]"):
+        build_global_plan([[rec("w", (4,), Box((0,), (2,)))], [rec("w", (4,), Box((2,), (3,)))]])
+
+
+def test_structure_digest_changes_with_any_structural_change():
+    base = [rec("w", (4, 4), Box((0, 0), (2, 4))), rec("b", (4,))]
+    d = structure_digest(base)
+    assert structure_digest(list(base)) == d                   # stable
+    assert structure_digest([rec("w", (4, 4), Box((2, 0), (2, 4))), rec("b", (4,))]) != d   # box moved
+    assert structure_digest([rec("w", (4, 4), Box((0, 0), (2, 4))), rec("b", (4,), dtype="float16",
+                                                                           itemsize=2)]) != d
+    assert structure_digest(base[::-1]) != d                   # order is the plan's index order
+
+
+# ---------------------------------------------------------------------------------------- load plan
+def _manifest(shape, boxes: list[Box], name="w") -> Manifest:
+    itemsize = 4
+    saved, off = [], 0
+    for b in boxes:
+        saved.append(SavedBox(b.offsets, b.lengths, 0, off, b.numel * itemsize, 0))
+        off += b.numel * itemsize
+    return Manifest("id", 1, [FileEntry("data/id-r00000.bin", 0, off)], {name: TensorEntry(tuple(shape), "float32", saved)},
+                    {})
+
+
+def test_plan_reads_covers_each_wanted_element_exactly_once():
+    rng = random.Random(11)
+    for trial in range(200):
+        shape = (rng.randint(1, 9), rng.randint(1, 9))
+        # saved as row slabs (2 ranks), wanted as column slabs (3 ranks): a real reshard
+        cut = rng.randint(0, shape[0])
+        saved = [b for b in (Box((0, 0), (cut, shape[1])), Box((cut, 0), (shape[0] - cut, shape[1]))) if b.numel]
+        m = _manifest(shape, saved)
+        cols = sorted(rng.sample(range(shape[1] + 1), 2))
+        want = Box((0, cols[0]), (shape[0], cols[1] - cols[0]))
+        items = plan_reads(m, [("w", want), ("w", Box.full(shape))])
+        for dest, box in enumerate([want, Box.full(shape)]):
+            count = np.zeros(shape, dtype=int)
+            for it in items:
+                if it.dest == dest:
+                    assert it.region.within(shape)
+                    count[tuple(slice(o, o + n) for o, n in zip(it.region.offsets, it.region.lengths))] += 1
+            expect = np.zeros(shape, dtype=int)
+            expect[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] = 1
+            assert np.array_equal(count, expect), (trial, shape, saved, box)
+
+
+def test_plan_reads_marks_whole_box_reads():
+    m = _manifest((4, 4), [Box((0, 0), (2, 4)), Box((2, 0), (2, 4))])
+    items = plan_reads(m, [("w", Box.full((4, 4)))])
+    assert [it.whole_box for it in items] == [True, True]
+    items = plan_reads(m, [("w", Box((0, 0), (4, 2)))])
+    assert [it.whole_box for it in items] == [False, False]
+
+
+def test_plan_reads_gaps_raise_one_mismatch_listing_every_gap():
+    # Saved boxes cover only rows 0-1 of w; "v" is not in the checkpoint at all.
+    m = _manifest((4, 4), [Box((0, 0), (2, 4))])
+    with pytest.raises(MismatchError) as info:
+        plan_reads(m, [("w", Box((0, 0), (2, 4))), ("w", Box((1, 0), (2, 4))), ("v", Box.full((3,)))])
+    diffs = info.value.differences
+    assert len(diffs) == 2
+    assert "w: the checkpoint holds only 4 of the 8 elements" in diffs[0] and "offsets=[1, 0]" in diffs[0]
+    assert diffs[1] == "v: missing from the checkpoint"
