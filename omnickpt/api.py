@@ -18,7 +18,7 @@ from omnickpt import __version__
 from omnickpt.adapters import check_framework, collect_load, collect_save
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, read_tensors, snapshot
-from omnickpt.engine.load import forward_replicas
+from omnickpt.engine.load import check_file_sizes, forward_replicas
 from omnickpt.engine.save import CONTROL_DIR, staging_size
 from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, NotCommittedError)
 from omnickpt.format import MANIFEST_NAME, Manifest, dtype_name, encode_object
@@ -371,6 +371,14 @@ class Checkpointer:
         _raise_first(error, comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}"))
 
         try:
+            # Sizes and objects first: a truncated file, or an object that is corrupt or needs
+            # pickle, then fails the load before any parameter has been overwritten.
+            with timer.phase("plan"):
+                check_file_sizes(storage, manifest, items,
+                                 [(k, manifest.object_for_rank(k, comm.rank)) for k in object_keys]
+                                 + [(k, e) for k in all_rank_keys for e in manifest.objects[k]])
+            objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer,
+                                   all_ranks=all_rank_keys)
             boxes = [b for _, b in wanted]
             if dedup_reads and comm.world_size > 1:
                 with timer.phase("plan"):
@@ -383,8 +391,6 @@ class Checkpointer:
                 forward_replicas(items, dict(zip(mine, filled)), forward, boxes, dests, comm.rank, comm.group, timer)
             else:
                 read_tensors(storage, manifest, items, boxes, dests, self._io, verify=verify, timer=timer)
-            objects = read_objects(storage, manifest, object_keys, comm.rank, allow_pickle=allow_pickle, timer=timer,
-                                   all_ranks=all_rank_keys)
             with timer.phase("install"):
                 for _, t in targets:
                     t.finish(objects)

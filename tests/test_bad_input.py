@@ -6,6 +6,7 @@ hostile manifests do it.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 import os
 import resource
 import shutil
@@ -164,9 +165,6 @@ def test_a_truncated_data_file_is_corrupt_and_named(tmp_path, capsys):
     assert not any("'model/0.weight'" in line for line in lines), lines
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="engine/load.py _read_one lets the storage's 'truncated' error through without the "
-                          "tensor's name (reported to the lead); remove this mark once it names the tensor")
 def test_a_truncated_data_file_error_names_the_tensor(tmp_path):
     ckpt = tmp_path / "ckpt"
     _save_one(ckpt)
@@ -481,3 +479,16 @@ def test_bad_inputs_on_two_ranks(tmp_path):
         assert r["data_after_overwrite"] == r["manifest_files"] and len(r["manifest_files"]) == 2
         assert r["after_overwrite"]
         assert r["uncommitted"][0] == "NotCommittedError" and "not a committed checkpoint" in r["uncommitted"][1]
+
+
+def test_a_pickled_object_refused_on_load_leaves_the_model_untouched(tmp_path):
+    # Objects are decoded before any tensor is read, so a refused load changes nothing.
+    ckpt = tmp_path / "ckpt"
+    model = _model(1)
+    omnickpt.save(str(ckpt), {"model": model, "extra": {"f": Fraction(1, 3)}}, allow_pickle=True).wait()
+    target = _model(7)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(omnickpt.UnsafeCheckpointError):
+        omnickpt.load(str(ckpt), {"model": target, "extra": {}})
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before[k]), k

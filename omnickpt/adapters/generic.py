@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omnickpt.adapters.base import LoadTarget, SaveItems, collect_dtensors, is_dtensor, restore_refs, split_dtensors
+from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, collect_dtensors, is_dtensor, restore_refs, split_dtensors
 
 
 def is_stateful(value: Any) -> bool:
@@ -32,7 +32,7 @@ def load_value(key: str, value: Any, state: dict) -> LoadTarget:
     current = value.state_dict() if stateful else value
     dtensors: dict[str, Any] = {}
     collect_dtensors(current, key, dtensors)
-    target = LoadTarget(prefix=key)
+    target = LoadTarget(prefix=f"{key}{SEP}")
     for name, dt in dtensors.items():
         from omnickpt.adapters.base import dtensor_shards
         target.shards.extend(dtensor_shards(name, dt))

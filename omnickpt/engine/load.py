@@ -74,7 +74,11 @@ def _read_one(storage: Storage, manifest: Manifest, item: ReadItem, dest_box: Bo
     if pieces:
         requests.append((cur_start, pieces))
     for off, bufs in requests:
-        storage.read_into(path, off, bufs)
+        try:
+            storage.read_into(path, off, bufs)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{e} (reading tensor {item.name!r} box offsets={list(sb.offsets)} lengths={list(sb.lengths)})") from None
     if verify and item.whole_box and sb.checksum is not None and checksum(out) != sb.checksum:
         raise CorruptCheckpointError(
             f"checksum mismatch in {storage.describe(path)} for tensor {item.name!r} box "
@@ -159,9 +163,38 @@ def read_objects(storage: Storage, manifest: Manifest, keys: Sequence[str], rank
 def _read_object(storage, manifest, key, e, allow_pickle, timer):
     buf = bytearray(e.nbytes)
     path = manifest.files[e.file].path
-    storage.read_into(path, e.offset, [memoryview(buf)])
+    try:
+        storage.read_into(path, e.offset, [memoryview(buf)])
+    except CorruptCheckpointError as err:
+        raise CorruptCheckpointError(f"{err} (reading object {key!r})") from None
     if checksum(buf) != e.checksum:
         raise CorruptCheckpointError(
             f"checksum mismatch in {storage.describe(path)} for object {key!r}: the data file is corrupt")
     timer.count("read", e.nbytes)
     return decode_object(bytes(buf), allow_pickle=allow_pickle, where=key)
+
+
+def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], object_ranges) -> None:
+    """Fail before anything is read (and so before any parameter is overwritten) when a data file
+    is missing or shorter than the bytes this rank needs; the error names what lies past the end.
+
+    `object_ranges` holds (object key, ObjectEntry) pairs. One size query per file.
+    """
+    needs: dict[int, list[tuple[int, str]]] = {}
+    for it in items:
+        if it.saved.file >= 0:
+            needs.setdefault(it.saved.file, []).append(
+                (it.saved.offset + it.saved.nbytes,
+                 f"tensor {it.name!r} box offsets={list(it.saved.offsets)} lengths={list(it.saved.lengths)}"))
+    for key, e in object_ranges:
+        needs.setdefault(e.file, []).append((e.offset + e.nbytes, f"object {key!r}"))
+    for fi, ends in needs.items():
+        path = manifest.files[fi].path
+        size = storage.size(path)
+        beyond = [what for end, what in ends if end > size]
+        if beyond:
+            raise CorruptCheckpointError(
+                f"data file {storage.describe(path)} is truncated: it has {size} bytes but the manifest needs "
+                f"{max(end for end, _ in ends)}; past its end: {', '.join(beyond[:5])}"
+                + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
+                + ". Restore the file or load an earlier checkpoint")

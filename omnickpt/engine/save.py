@@ -187,9 +187,9 @@ def collect_garbage(storage: Storage, manifest: Manifest) -> None:
     for rel in storage.list(DATA_DIR):
         if rel not in keep:
             storage.delete(rel)
-    for rel in storage.list(CONTROL_DIR):
-        if not rel.startswith(f"{CONTROL_DIR}/{manifest.save_id}/"):
-            storage.delete(rel)
+    for name in storage.children(CONTROL_DIR):
+        if name != manifest.save_id:
+            storage.delete_tree(f"{CONTROL_DIR}/{name}")
 
 
 
