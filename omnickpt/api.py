@@ -241,7 +241,11 @@ class Checkpointer:
         if background:
             # Background commits talk through storage, not collectives: a collective from this
             # thread could interleave with the training loop's own collectives.
-            _put_json(storage, f"{CONTROL_DIR}/{save_id}/r{comm.rank:05d}.json", dataclasses.asdict(result))
+            try:
+                _put_json(storage, f"{CONTROL_DIR}/{save_id}/r{comm.rank:05d}.json", dataclasses.asdict(result))
+            except Exception as e:
+                # Report the first failure (the data write), not the record that could not follow it.
+                raise CheckpointError(result.error or f"rank {comm.rank}: could not report to the coordinator: {e}") from e
             if not comm.is_coordinator:
                 if result.error:
                     raise CheckpointError(result.error)
@@ -272,7 +276,7 @@ class Checkpointer:
                 missing = sorted(set(range(world_size)) - have)
                 msg = (f"ranks {missing} did not finish writing within {self.timeout:.0f} s; nothing was "
                        "committed and the previous checkpoint is untouched")
-                _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
+                _try_put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
                 raise CheckpointTimeoutError(f"save to {storage.describe()}: {msg}")
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
@@ -288,7 +292,7 @@ class Checkpointer:
         prefix = f"{CONTROL_DIR}/{save_id}"
         if errors:
             msg = "; ".join(errors) + " (nothing was committed; the previous checkpoint is untouched)"
-            _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
+            _try_put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
             return msg, None
         try:
             t0 = time.perf_counter()
@@ -307,10 +311,7 @@ class Checkpointer:
             return None, report
         except Exception as e:
             msg = f"commit by rank 0 failed: {type(e).__name__}: {e}"
-            try:
-                _put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
-            except Exception:
-                pass
+            _try_put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
             return msg, None
 
     # ------------------------------------------------------------------ load
@@ -414,6 +415,15 @@ def _raise_first(own: BaseException | None, messages: list[str | None]) -> None:
 
 def _put_json(storage: Storage, rel: str, doc: dict) -> None:
     storage.commit(rel, json.dumps(doc, default=str).encode())
+
+
+def _try_put_json(storage: Storage, rel: str, doc: dict) -> None:
+    """Best effort, for failure statuses: the storage may be what failed, and the error being
+    reported matters more than the status file."""
+    try:
+        _put_json(storage, rel, doc)
+    except Exception:
+        pass
 
 
 # ---------------------------------------------------------------------- module-level API

@@ -6,11 +6,15 @@ from omnickpt.storage.local import LocalStorage
 
 
 def storage_for(path: str) -> Storage:
-    """The backend for `path`: a local path (or file://) today; s3://, shm:// and fsspec URLs
-    plug in here."""
+    """The backend for `path`: a local path (or file://), s3://bucket/prefix; shm:// and fsspec
+    URLs plug in here."""
     path = str(path)
     if path.startswith("file://"):
         return LocalStorage(path[len("file://"):])
+    if path.startswith("s3://"):
+        # imported here: boto3 is an optional extra, needed only by s3:// paths
+        from omnickpt.storage.s3 import S3Storage
+        return S3Storage(path)
     if "://" in path:
         from omnickpt.errors import UnsupportedError
         raise UnsupportedError(f"{path}: no storage backend for scheme {path.split('://')[0]!r} yet")
