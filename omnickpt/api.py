@@ -325,6 +325,7 @@ class Checkpointer:
         timer = PhaseTimer()
         error = None
         differences: list[str] = []
+        unexpected: set[str] = set()
         try:
             with timer.phase("plan"):
                 manifest = read_manifest(storage)
@@ -353,23 +354,33 @@ class Checkpointer:
                             dests.append(s.local)
                     for name in manifest.tensors:
                         if (name.startswith(t.prefix) or name == t.prefix.rstrip("/")) and name not in names:
-                            differences.append(f"{name}: in the checkpoint but not in the target state")
+                            unexpected.add(name)
                     for keys, into in ((t.objects, object_keys), (t.objects_from_all_ranks, all_rank_keys)):
                         for key in keys:
                             if key in manifest.objects:
                                 into.append(key)
                             else:
                                 differences.append(f"{key}: missing from the checkpoint (no saved value)")
-                differences = sorted(set(differences))
-                if differences and strict:
-                    raise MismatchError(
-                        f"checkpoint {path} does not match the state to load ({len(differences)} "
-                        "difference(s); pass strict=False to load what matches):\n  " + "\n  ".join(differences),
-                        differences)
-                items = plan_reads(manifest, wanted)
+                # With strict differences the load fails below, listing them: plan nothing.
+                items = [] if strict and differences else plan_reads(manifest, wanted)
         except Exception as e:
             error = e
-        _raise_first(error, comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}"))
+        gathered = comm.all_gather_object((None if error is None else f"rank {comm.rank}: {error}",
+                                           sorted(unexpected), sorted(set(differences))[:20]))
+        _raise_first(error, [g[0] for g in gathered])
+        # A checkpoint tensor is unexpected only if no rank wants it: pipeline stages, for one, each
+        # hold different modules.
+        unwanted = set.intersection(*(set(g[1]) for g in gathered))
+        differences = sorted(set(differences) | {f"{n}: in the checkpoint but not in the target state" for n in unwanted})
+        if strict and (differences or any(g[2] for g in gathered)):
+            if differences:
+                raise MismatchError(
+                    f"checkpoint {path} does not match the state to load ({len(differences)} "
+                    "difference(s); pass strict=False to load what matches):\n  " + "\n  ".join(differences),
+                    differences)
+            theirs = [f"rank {r}: {d}" for r, g in enumerate(gathered) for d in g[2]]
+            raise MismatchError(f"checkpoint {path} does not match the state to load on other ranks; pass "
+                                "strict=False to load what matches:\n  " + "\n  ".join(theirs), theirs)
 
         try:
             # Sizes and objects first: a truncated file, or an object that is corrupt or needs

@@ -12,6 +12,8 @@ from torch import nn
 from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard
 from omnickpt.adapters.dataloader import is_dataloader_state, load_dataloader, save_dataloader
 from omnickpt.adapters.generic import load_value, save_value
+from omnickpt.adapters.megatron import (is_megatron_module, load_megatron_model, load_megatron_optimizer, owns_optimizer,
+                                        save_megatron_model, save_megatron_optimizer)
 from omnickpt.adapters.module import detect_framework, load_module, save_module
 from omnickpt.adapters.optimizer import load_optimizer, save_optimizer
 from omnickpt.adapters.rng import RNGState
@@ -37,7 +39,11 @@ def collect_save(state: dict) -> list[tuple[str, SaveItems]]:
     modules = _modules(state)
     out = []
     for key, value in state.items():
-        if isinstance(value, nn.Module):
+        if is_megatron_module(value):
+            out.append((key, save_megatron_model(key, value)))
+        elif owns_optimizer(value, state):
+            out.append((key, save_megatron_optimizer(key, value, state)))
+        elif isinstance(value, nn.Module):
             out.append((key, save_module(key, value)))
         elif isinstance(value, torch.optim.Optimizer):
             out.append((key, save_optimizer(key, value, modules)))
@@ -53,7 +59,11 @@ def collect_load(state: dict) -> list[tuple[str, LoadTarget]]:
     modules = _modules(state)
     out = []
     for key, value in state.items():
-        if isinstance(value, nn.Module):
+        if is_megatron_module(value):
+            out.append((key, load_megatron_model(key, value)))
+        elif owns_optimizer(value, state):
+            out.append((key, load_megatron_optimizer(key, value, state)))
+        elif isinstance(value, nn.Module):
             out.append((key, load_module(key, value)))
         elif isinstance(value, torch.optim.Optimizer):
             out.append((key, load_optimizer(key, value, modules)))
@@ -70,7 +80,7 @@ def check_framework(state: dict, framework: str | None) -> None:
         return
     if framework not in FRAMEWORKS:
         raise UnsupportedError(f"framework={framework!r} is not one of {', '.join(FRAMEWORKS)}")
-    found = {k: detect_framework(m) for k, m in _modules(state).items()}
+    found = {k: "megatron" if is_megatron_module(m) else detect_framework(m) for k, m in _modules(state).items()}
     compatible = {"fsdp2": {"fsdp2"}, "ddp": {"ddp"}, "fsdp": {"fsdp"}, "dtensor": {"dtensor", "fsdp2"},
                   "plain": {"plain"}, "megatron": {"megatron"}}[framework]
     wrong = {k: f for k, f in found.items() if f not in compatible}
