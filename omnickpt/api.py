@@ -122,7 +122,7 @@ class Checkpointer:
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="omnickpt-io")
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist")
         self._pool = StagingPool(staging_slots)
-        self._plans: dict[int, tuple] = {}
+        self._plans: dict[int, dict[tuple, tuple]] = {}
         self._comms: dict[int, Comm] = {}
         self._inflight: dict[str, SaveHandle] = {}
         self.timeout = timeout
@@ -185,8 +185,13 @@ class Checkpointer:
         with timer.phase("plan"):
             save_id = gathered[0][1]
             digests = tuple(g[0] for g in gathered)
-            cached = self._plans.get((id(comm), digests))
+            # One LRU per process group: every member makes the same saves on it in the same order,
+            # so all members hold the same entries and hit or miss together (saves on other groups
+            # must not evict entries here).
+            plans = self._plans.setdefault(id(comm), {})
+            cached = plans.get(digests)
             if cached is not None:
+                plans[digests] = plans.pop(digests)   # most recently used last
                 writes, tensor_region, plan = cached
             else:
                 all_records = comm.gather_object(records)
@@ -202,9 +207,9 @@ class Checkpointer:
                 if err is not None:
                     raise CheckpointError(f"planning the save to {path} failed: {err}")
                 # A few structures stay cached (e.g. alternating model-only and full saves).
-                if len(self._plans) >= _PLAN_CACHE_SIZE:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[(id(comm), digests)] = (writes, tensor_region, plan)
+                if len(plans) >= _PLAN_CACHE_SIZE:
+                    plans.pop(next(iter(plans)))
+                plans[digests] = (writes, tensor_region, plan)
 
         staging = None
         if async_save:

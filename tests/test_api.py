@@ -219,3 +219,23 @@ def _shardspec(rank, world_size, root):
 
 def test_shardspec_hand_sharded_tensors_reshard(tmp_path):
     assert run_ranks(3, _shardspec, str(tmp_path)) == [True] * 3
+
+
+def _cache_per_group(rank, world_size, root):
+    import torch.distributed as dist
+    ckpt = omnickpt.Checkpointer()
+    solo = dist.new_group([0])
+    both = {"m": torch.nn.Linear(2, 2)}
+    ckpt.save(f"{root}/a", both).wait()
+    if rank == 0:
+        # Saves on another group must not evict the plan the two ranks share.
+        for i in range(6):
+            ckpt.save(f"{root}/solo{i}", {"m": torch.nn.Linear(i + 2, 3)}, process_group=solo).wait()
+    before = ckpt.comm().collectives
+    ckpt.save(f"{root}/b", both).wait()
+    return ckpt.comm().collectives - before
+
+
+def test_plan_cache_is_per_process_group(tmp_path):
+    # Both ranks hit the cache: digest all_gather + result gather + broadcast, no planning exchange.
+    assert run_ranks(2, _cache_per_group, str(tmp_path)) == [3, 3]

@@ -1,7 +1,8 @@
-"""nn.Module adapter: plain modules, DDP, FSDP2 (fully_shard), DTensor tensor parallel, 2-D meshes.
+"""nn.Module adapter: plain modules, DDP, FSDP1, FSDP2 (fully_shard), DTensor tensor parallel, 2-D meshes.
 
-Uses only the public state_dict()/load_state_dict() contract: FSDP2 and tensor-parallel modules
+Uses the public state_dict()/load_state_dict() contract: FSDP2 and tensor-parallel modules
 already hand out DTensors whose boxes we read off, DDP and plain modules hand out whole tensors.
+FSDP1 modules go to adapters/fsdp1.py instead, since their state_dict() would all-gather.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, is_dtensor, tensor_shards
-from omnickpt.errors import UnsupportedError
+from omnickpt.adapters.fsdp1 import is_fsdp1, load_fsdp1, save_fsdp1
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -25,12 +26,12 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def detect_framework(module: nn.Module) -> str:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(module, DistributedDataParallel):
         return "ddp"
     inner = unwrap(module)
-    if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
+    if is_fsdp1(inner):
         return "fsdp"
     if any(isinstance(m, FSDPModule) for m in inner.modules()):
         return "fsdp2"
@@ -39,16 +40,10 @@ def detect_framework(module: nn.Module) -> str:
     return "plain"
 
 
-def _refuse_fsdp1(key: str, framework: str) -> None:
-    if framework == "fsdp":
-        raise UnsupportedError(
-            f"{key}: FSDP1 (FullyShardedDataParallel) modules are not supported yet; use FSDP2 "
-            "(torch.distributed.fsdp.fully_shard) or save the module's full state dict")
-
-
 def save_module(key: str, module: nn.Module) -> SaveItems:
     framework = detect_framework(module)
-    _refuse_fsdp1(key, framework)
+    if framework == "fsdp":
+        return save_fsdp1(key, unwrap(module))
     items = SaveItems(framework=framework)
     extra = {}
     with torch.no_grad():
@@ -64,7 +59,8 @@ def save_module(key: str, module: nn.Module) -> SaveItems:
 
 def load_module(key: str, module: nn.Module) -> LoadTarget:
     framework = detect_framework(module)
-    _refuse_fsdp1(key, framework)
+    if framework == "fsdp":
+        return load_fsdp1(key, unwrap(module))
     inner = unwrap(module)
     # keep_vars=True hands back the parameters and buffers themselves: filling them in place
     # loads the module with no second copy.

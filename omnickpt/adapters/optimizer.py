@@ -1,57 +1,149 @@
 """torch.optim adapter. State is keyed by parameter name, not index, so it reshards: each state
-tensor follows its parameter's boxes (DTensor or replicated), param_groups name their params."""
+tensor follows its parameter's boxes (DTensor or replicated), param_groups name their params.
+
+An FSDP1 parameter (a FlatParameter, or an original parameter's 1-D sharded view when
+use_orig_params=True) stands for parts of several original parameters: its flat state (exp_avg...)
+is cut into those parts' boxes like the parameter itself (adapters/fsdp1.py), its scalar state
+(step) is saved under each original parameter's name, and param_groups list the original names.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, tensor_shards
+from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard, full_shard, tensor_shards
+from omnickpt.adapters.fsdp1 import FlatOptimParam, clean_fqn, is_fsdp1, optimizer_params
 from omnickpt.adapters.module import unwrap
 from omnickpt.errors import MismatchError, UnsupportedError
 
 
-def param_names(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> list[str]:
-    """Names of the optimizer's parameters, in its own index order."""
+@dataclass
+class _Param:
+    """One parameter as the optimizer holds it: `names` are the original parameters it covers
+    (one, unless it is an FSDP1 flat parameter); `flat` is its FSDP1 layout, or None."""
+    param: torch.Tensor
+    names: list[str]
+    flat: FlatOptimParam | None = None
+
+
+def _optimizer_params(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> list[_Param]:
+    """The optimizer's parameters, in its own index order, with their names."""
     by_id: dict[int, str] = {}
+    flat: dict[int, FlatOptimParam] = {}
     for mkey, module in modules.items():
-        for name, p in unwrap(module).named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(p), name if len(modules) == 1 else f"{mkey}{SEP}{name}")
-    names = []
+        inner = unwrap(module)
+
+        def qualify(name: str, mkey=mkey) -> str:
+            return name if len(modules) == 1 else f"{mkey}{SEP}{name}"
+
+        fsdp1 = is_fsdp1(inner)
+        if fsdp1:
+            for pid, fp in optimizer_params(inner).items():
+                flat.setdefault(pid, replace(fp, pieces=[replace(p, fqn=qualify(p.fqn)) for p in fp.pieces]))
+        for name, p in inner.named_parameters(remove_duplicate=False):
+            # parameters FSDP1 leaves alone (ignored modules) are named as the module adapter names them
+            by_id.setdefault(id(p), qualify(clean_fqn(name) if fsdp1 else name))
+    out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if id(p) not in by_id:
+            if id(p) in flat:
+                f = flat[id(p)]
+                out.append(_Param(p, [piece.fqn for piece in f.pieces], f))
+            elif id(p) in by_id:
+                out.append(_Param(p, [by_id[id(p)]]))
+            else:
                 raise UnsupportedError(
                     f"{key}: the optimizer holds a parameter of shape {tuple(p.shape)} that belongs to no "
                     "nn.Module in the saved state; put the model in the same state dict so that optimizer "
                     "state can be keyed by parameter name")
-            names.append(by_id[id(p)])
-    return names
+    return out
+
+
+def _is_flat_state(value: Any, flat: FlatOptimParam) -> bool:
+    """A state tensor laid out like the flat parameter (exp_avg...), as opposed to a scalar (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == flat.numel
 
 
 def save_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> SaveItems:
-    names = param_names(key, optimizer, modules)
+    params = _optimizer_params(key, optimizer, modules)
     osd = optimizer.state_dict()
     items = SaveItems()
     extra: dict[str, dict[str, Any]] = {}
     for idx, st in osd["state"].items():
-        fqn = names[idx]
+        par = params[idx]
         for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                items.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", v.detach()))
+            if par.flat is None:
+                fqn = par.names[0]
+                if isinstance(v, torch.Tensor):
+                    items.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", v.detach()))
+                else:
+                    extra.setdefault(fqn, {})[k] = v
+            elif _is_flat_state(v, par.flat):
+                for piece in par.flat.pieces:
+                    items.shards.extend(piece.shards(f"{key}{SEP}state{SEP}{piece.fqn}{SEP}{k}", v.detach()))
+            elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                # one step counter for the whole flat parameter: every original parameter's
+                for fqn in par.names:
+                    items.shards.append(full_shard(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", v.detach()))
+            elif isinstance(v, torch.Tensor):
+                raise UnsupportedError(
+                    f"{key}: optimizer state {k!r} of the FSDP1 parameter holding {par.names[:3]} has shape "
+                    f"{tuple(v.shape)}, neither a scalar nor laid out like the flat parameter "
+                    f"({par.flat.numel} elements); omnickpt cannot tell which original parameter it belongs to")
             else:
-                extra.setdefault(fqn, {})[k] = v
+                for fqn in par.names:
+                    extra.setdefault(fqn, {})[k] = v
     groups = []
     for g in osd["param_groups"]:
-        groups.append({**g, "params": [names[i] for i in g["params"]]})
+        groups.append({**g, "params": [name for i in g["params"] for name in params[i].names]})
     items.objects[key] = {"param_groups": groups, "state": extra}
     return items
 
 
+def _flat_destinations(key: str, par: _Param, cur_state: dict, wanted: dict[str, list[tuple[str, str]]],
+                       manifest) -> tuple[list[TensorShard], dict[str, torch.Tensor]]:
+    """Load destinations for an FSDP1 parameter's state: (shards to fill, state key -> tensor).
+
+    Every state key saved for any of its original parameters is wanted for all of them, so a part
+    missing from the checkpoint is reported rather than left as zeros. Flat state is filled in
+    place when the optimizer already has it.
+    """
+    from omnickpt.format.manifest import dtype_from_name
+    keys: dict[str, list[Any]] = {}
+    for fqn in par.names:
+        for k, tname in wanted.get(fqn, []):
+            keys.setdefault(k, []).append(manifest.tensors[tname])
+    only_scalar_params = all(piece.shape == () for piece in par.flat.pieces)
+    prefix = f"{key}{SEP}state{SEP}"
+    shards: list[TensorShard] = []
+    dests: dict[str, torch.Tensor] = {}
+    for k, entries in keys.items():
+        dtype = dtype_from_name(entries[0].dtype)
+        # Scalar state (step) is 0-d for every parameter; flat state is shaped like each
+        # parameter, so it is 0-d everywhere only when all parameters are 0-d (then by name).
+        if all(e.shape == () for e in entries) and (not only_scalar_params or k == "step"):
+            # A scalar (step) per original parameter, but one per flat parameter: it takes the
+            # first one's (they agree when all were stepped together, as in FSDP1).
+            scalars = [torch.zeros((), dtype=dtype) for _ in par.names]
+            shards += [full_shard(f"{prefix}{fqn}{SEP}{k}", t) for fqn, t in zip(par.names, scalars)]
+            dests[k] = scalars[0]
+            continue
+        cur = cur_state.get(k)
+        if _is_flat_state(cur, par.flat) and cur.dtype == dtype:
+            flat = cur.detach()
+        else:
+            flat = torch.zeros(par.flat.numel, dtype=dtype, device=par.param.device)
+        for piece in par.flat.pieces:
+            shards += piece.shards(f"{prefix}{piece.fqn}{SEP}{k}", flat, for_load=True)
+        dests[k] = flat
+    return shards, dests
+
+
 def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> LoadTarget:
-    names = param_names(key, optimizer, modules)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = _optimizer_params(key, optimizer, modules)
     target = LoadTarget(prefix=f"{key}{SEP}", objects=[key])
     dests: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -65,8 +157,13 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             if tname.startswith(prefix):
                 fqn, _, k = tname[len(prefix):].rpartition(SEP)
                 wanted.setdefault(fqn, []).append((k, tname))
-        for idx, (p, fqn) in enumerate(zip(params, names)):
-            for k, tname in wanted.get(fqn, []):
+        for idx, par in enumerate(params):
+            p = par.param
+            if par.flat is not None:
+                shards, dests[idx] = _flat_destinations(key, par, optimizer.state.get(p, {}), wanted, manifest)
+                target.shards.extend(shards)
+                continue
+            for k, tname in wanted.get(par.names[0], []):
                 entry = manifest.tensors[tname]
                 dtype = dtype_from_name(entry.dtype)
                 cur = optimizer.state.get(p, {}).get(k)
@@ -85,8 +182,11 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             return
         extra = saved.get("state", {})
         state = {}
-        for idx, fqn in enumerate(names):
-            st = dict(extra.get(fqn, {}))
+        for idx, par in enumerate(params):
+            if par.flat is not None and par.flat.numel == 0:
+                # a use_orig_params view with nothing on this rank: FSDP1 gives it no state either
+                continue
+            st = dict(extra.get(par.names[0], {}))
             st.update(dests.get(idx, {}))
             if st:
                 state[idx] = st
@@ -97,12 +197,13 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 f"{len(optimizer.param_groups)}", [f"{key}: param group count differs"])
         groups, diffs, start = [], [], 0
         for gi, (sg, tg) in enumerate(zip(saved_groups, optimizer.param_groups)):
-            mine = names[start:start + len(tg["params"])]
+            count = len(tg["params"])
+            mine = [name for par in params[start:start + count] for name in par.names]
             if set(sg["params"]) != set(mine):
                 diffs.append(f"{key}: param group {gi} holds {sorted(set(sg['params']) ^ set(mine))[:5]} "
                              "in only one of checkpoint and optimizer")
-            groups.append({**sg, "params": list(range(start, start + len(mine)))})
-            start += len(mine)
+            groups.append({**sg, "params": list(range(start, start + count))})
+            start += count
         if diffs:
             raise MismatchError(f"{key}: param groups differ:\n  " + "\n  ".join(diffs), diffs)
         optimizer.load_state_dict({"state": state, "param_groups": groups})
