@@ -9,10 +9,11 @@ from omnickpt.errors import (  # noqa: E402
     StorageError, UnsafeCheckpointError, UnsupportedError)
 from omnickpt.manager import CheckpointManager  # noqa: E402
 from omnickpt.spec import ShardSpec  # noqa: E402
+from omnickpt.storage.shm import clear_memory, memory_usage  # noqa: E402
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
     "DataParallelStateful", "LoadResult", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
     "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError",
-    "UnsafeCheckpointError", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
+    "UnsafeCheckpointError", "clear_memory", "memory_usage", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
 ]

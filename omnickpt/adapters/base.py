@@ -1,6 +1,7 @@
 """What every adapter produces: tensor shards (boxes of global tensors) and plain objects."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,8 +56,11 @@ class LoadTarget:
 
 def is_dtensor(t: Any) -> bool:
     """A value that carries its own global layout: a DTensor or an explicit ShardSpec."""
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, (DTensor, ShardSpec))
+    if isinstance(t, ShardSpec):
+        return True
+    # Importing torch.distributed.tensor costs about a second; if nothing imported it, no DTensor exists.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def dtensor_shards(name: str, t) -> list[TensorShard]:

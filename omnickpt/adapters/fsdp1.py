@@ -21,6 +21,8 @@ the local shard's size so that a torch version that changes them fails loudly, n
 """
 from __future__ import annotations
 
+import sys
+
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -46,8 +48,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def is_fsdp1(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be wrapped by it
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules())
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ FSDP1 modules go to adapters/fsdp1.py instead, since their state_dict() would al
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -26,15 +28,18 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def detect_framework(module: nn.Module) -> str:
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(module, DistributedDataParallel):
         return "ddp"
     inner = unwrap(module)
-    if is_fsdp1(inner):
-        return "fsdp"
-    if any(isinstance(m, FSDPModule) for m in inner.modules()):
-        return "fsdp2"
+    # torch.distributed.fsdp costs seconds to import on a restart; if nothing imported it, no
+    # module can be wrapped by it.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        if is_fsdp1(inner):
+            return "fsdp"
+        if any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()):
+            return "fsdp2"
     if any(is_dtensor(p) for p in inner.parameters()):
         return "dtensor"
     return "plain"

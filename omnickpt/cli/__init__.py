@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("path", metavar="PATH", help="checkpoint directory (the one holding manifest.json)")
     ver.add_argument("--json", action="store_true", help="print the result as JSON")
     ver.add_argument("--workers", type=_positive, default=None, metavar="N", help="reader threads (default: 2 per core, at most 8)")
+    clr = sub.add_parser("clear-memory", help="free a job's memory-tier checkpoints from this machine's shared memory",
+                         description="Remove the shared-memory checkpoints of CheckpointManager(memory='shm://JOB') "
+                                     "on this machine (after the job is gone and its durable copy is safe).")
+    clr.add_argument("job", metavar="JOB", help="the job name given as memory='shm://JOB'")
     return p
 
 
@@ -46,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "clear-memory":
+            from omnickpt.storage.shm import clear_memory
+            print(f"freed {clear_memory(args.job)} bytes of shared memory of job {args.job}")
+            return 0
         return _verify(args)
     except NotCommittedError as e:
         print(f"omnickpt {args.command}: {e}{_step_hint(args.path)}", file=sys.stderr)

@@ -15,9 +15,12 @@ def storage_for(path: str) -> Storage:
         # imported here: boto3 is an optional extra, needed only by s3:// paths
         from omnickpt.storage.s3 import S3Storage
         return S3Storage(path)
-    if "://" in path:
-        from omnickpt.errors import UnsupportedError
-        raise UnsupportedError(f"{path}: no storage backend for scheme {path.split('://')[0]!r} yet")
+    if path.startswith("shm://"):  # host shared memory (/dev/shm/omnickpt/NAME/...): the memory tier
+        from omnickpt.storage.shm import ShmStorage
+        return ShmStorage(path)
+    if "://" in path:  # any other URL (and fsspec+SCHEME:// to force it): fsspec, an optional extra
+        from omnickpt.storage.fsspec_store import FsspecStorage
+        return FsspecStorage(path)
     return LocalStorage(path)
 
 
