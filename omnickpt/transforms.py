@@ -222,7 +222,7 @@ class Transform:
     def apply(self, manifest: Manifest) -> Manifest:
         tensors = dict(manifest.tensors)
         self._rewrite(tensors)
-        return dataclasses.replace(manifest, tensors=tensors)
+        return dataclasses.replace(manifest, tensors=tensors, derived=True)
 
     def _rewrite(self, tensors: dict[str, TensorEntry]) -> None:
         raise NotImplementedError

@@ -622,3 +622,24 @@ def test_zero_fill_items_are_made_locally_not_forwarded():
     real = ("model/tok.weight", 0, 128, (0, 0), (29, 4))
     plan = assign_readers([[(fill, 48), (real, 464)], [(fill, 48), (real, 464)]])
     assert [key for key, _, _ in plan] == [real]
+
+
+def test_an_optimizer_loads_across_a_split_and_rename(tmp_path):
+    # A fused fc1 trained with Adam resumes as separate gate/up parameters: the moments follow the
+    # split, the saved param group (naming fc1) matches the target's group by position.
+    model = bag({"fc1.weight": rand(8, 3, seed=31)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, betas=(0.8, 0.9))
+    model.fc1.weight.square().sum().backward()
+    opt.step()
+    omnickpt.save(str(tmp_path / "c"), {"model": model, "optimizer": opt}).wait()
+    target = bag({"gate_proj.weight": torch.zeros(4, 3), "up_proj.weight": torch.zeros(4, 3)})
+    topt = torch.optim.Adam(target.parameters(), lr=1.0)
+    omnickpt.load(str(tmp_path / "c"), {"model": target, "optimizer": topt},
+                  transforms=[SplitFused("fc1.weight", into=["gate.weight", "up.weight"]),
+                              Rename({"gate.weight": "gate_proj.weight", "up.weight": "up_proj.weight"})])
+    saved = opt.state[model.fc1.weight]
+    for part, rows in (("gate_proj", slice(0, 4)), ("up_proj", slice(4, 8))):
+        st = topt.state[dict(target.named_parameters())[f"{part}.weight"]]
+        assert torch.equal(st["exp_avg"], saved["exp_avg"][rows]) and torch.equal(st["exp_avg_sq"], saved["exp_avg_sq"][rows])
+        assert torch.equal(st["step"], saved["step"])
+    assert topt.param_groups[0]["lr"] == 0.05 and topt.param_groups[0]["betas"] == (0.8, 0.9)

@@ -146,8 +146,10 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
     params = _optimizer_params(key, optimizer, modules)
     target = LoadTarget(prefix=f"{key}{SEP}", objects=[key])
     dests: dict[int, dict[str, torch.Tensor]] = {}
+    renamed = []   # set by prepare: the manifest went through transforms
 
     def prepare(manifest) -> None:
+        renamed.append(manifest.derived)
         # Destinations for every saved state tensor of every parameter we have: the optimizer's
         # own tensors when they already exist, otherwise new ones sharded like the parameter.
         from omnickpt.format.manifest import dtype_from_name
@@ -199,7 +201,9 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
         for gi, (sg, tg) in enumerate(zip(saved_groups, optimizer.param_groups)):
             count = len(tg["params"])
             mine = [name for par in params[start:start + count] for name in par.names]
-            if set(sg["params"]) != set(mine):
+            # After transforms the saved groups still name the saved parameters; the state tensors
+            # were renamed with them, so groups match by position and the target's names stand.
+            if set(sg["params"]) != set(mine) and not any(renamed):
                 diffs.append(f"{key}: param group {gi} holds {sorted(set(sg['params']) ^ set(mine))[:5]} "
                              "in only one of checkpoint and optimizer")
             groups.append({**sg, "params": list(range(start, start + count))})

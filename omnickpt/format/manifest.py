@@ -103,6 +103,8 @@ class Manifest:
     tool_version: str = ""
     created: float = 0.0
     version: int = FORMAT_VERSION
+    # True once a transform has rewritten it (omnickpt/transforms.py); never stored.
+    derived: bool = False
 
     def object_for_rank(self, key: str, rank: int) -> ObjectEntry:
         """The value saved by `rank`, or else by the lowest saving rank (scale-up)."""
