@@ -212,11 +212,11 @@ class Checkpointer:
                 plans[digests] = (writes, tensor_region, plan)
 
         staging = None
+        on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in shards)
         if async_save:
-            pin = torch.cuda.is_available() and any(s.local.is_cuda for s in shards)
-            staging = self._pool.acquire(staging_size(tensor_region, blobs), pin=pin)
+            staging = self._pool.acquire(staging_size(tensor_region, blobs), pin=on_gpu)
         try:
-            snap = snapshot(shards, writes, tensor_region, blobs, staging, timer)
+            snap = snapshot(shards, writes, tensor_region, blobs, staging, timer, cuda=on_gpu)
         except BaseException:
             if staging is not None:
                 self._pool.release(staging)

@@ -54,7 +54,9 @@ def save_module(key: str, module: nn.Module) -> SaveItems:
     with torch.no_grad():
         for name, value in unwrap(module).state_dict().items():
             if isinstance(value, torch.Tensor):
-                items.shards.extend(tensor_shards(f"{key}{SEP}{name}", value.detach()))
+                # state_dict() already hands out detached tensors; detaching a DTensor again costs
+                # a dispatch per tensor on the stall path
+                items.shards.extend(tensor_shards(f"{key}{SEP}{name}", value))
             else:
                 extra[name] = value   # e.g. get_extra_state() values
     if extra:

@@ -78,16 +78,16 @@ def save_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             if par.flat is None:
                 fqn = par.names[0]
                 if isinstance(v, torch.Tensor):
-                    items.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", v.detach()))
+                    items.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", _nograd(v)))
                 else:
                     extra.setdefault(fqn, {})[k] = v
             elif _is_flat_state(v, par.flat):
                 for piece in par.flat.pieces:
-                    items.shards.extend(piece.shards(f"{key}{SEP}state{SEP}{piece.fqn}{SEP}{k}", v.detach()))
+                    items.shards.extend(piece.shards(f"{key}{SEP}state{SEP}{piece.fqn}{SEP}{k}", _nograd(v)))
             elif isinstance(v, torch.Tensor) and v.dim() == 0:
                 # one step counter for the whole flat parameter: every original parameter's
                 for fqn in par.names:
-                    items.shards.append(full_shard(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", v.detach()))
+                    items.shards.append(full_shard(f"{key}{SEP}state{SEP}{fqn}{SEP}{k}", _nograd(v)))
             elif isinstance(v, torch.Tensor):
                 raise UnsupportedError(
                     f"{key}: optimizer state {k!r} of the FSDP1 parameter holding {par.names[:3]} has shape "
@@ -140,6 +140,11 @@ def _flat_destinations(key: str, par: _Param, cur_state: dict, wanted: dict[str,
             shards += piece.shards(f"{prefix}{piece.fqn}{SEP}{k}", flat, for_load=True)
         dests[k] = flat
     return shards, dests
+
+
+def _nograd(t: torch.Tensor) -> torch.Tensor:
+    # Optimizer state never requires grad; detach (a dispatch per DTensor) only if it does.
+    return t.detach() if t.requires_grad else t
 
 
 def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> LoadTarget:

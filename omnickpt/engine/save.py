@@ -64,7 +64,7 @@ def _layout_objects(blobs: dict[str, bytes], start: int) -> tuple[list[tuple[str
 
 
 def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: int, blobs: dict[str, bytes],
-             staging: torch.Tensor | None, timer: PhaseTimer) -> Snapshot:
+             staging: torch.Tensor | None, timer: PhaseTimer, *, cuda: bool = False) -> Snapshot:
     """With `staging`, copy everything into it (async save: training may go on right after);
     without, reference the tensors' own memory (sync save: nothing changes until we return)."""
     placed, total = _layout_objects(blobs, tensor_region)
@@ -73,7 +73,7 @@ def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: 
             buf = staging[:total]
             event = None
             stream = None
-            if any(shards[w.index].local.is_cuda for w in writes):
+            if cuda:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
             ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
