@@ -180,8 +180,15 @@ class Checkpointer:
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
             token = uuid.uuid4().hex[:16]
-            gathered = comm.all_gather_object((digest, token, None if error is None else f"rank {comm.rank}: {error}"))
+            gathered = comm.all_gather_object((digest, token, None if error is None else f"rank {comm.rank}: {error}",
+                                               storage.describe()))
         _raise_first(error, [g[2] for g in gathered])
+        if len({g[3] for g in gathered}) > 1:
+            # Each rank would write its file where it was told and the manifest would name files
+            # that are not there: refuse before writing anything.
+            where = ", ".join(f"rank {r}: {g[3]}" for r, g in enumerate(gathered))
+            raise CheckpointError(f"the ranks were given different checkpoint paths ({where}); every rank "
+                                  "must pass the same path to save()")
         with timer.phase("plan"):
             save_id = gathered[0][1]
             digests = tuple(g[0] for g in gathered)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -17,6 +18,9 @@ from omnickpt.storage import Storage
 # Runs closer than this are read in one request (the gap goes to a scratch buffer): fewer
 # syscalls / HTTP requests for a little extra data.
 COALESCE_GAP = 256 << 10
+# Largest merged request: big enough to amortise a round trip, small enough to spread a large
+# file over several reader threads.
+MAX_REQUEST = 64 << 20
 
 
 def _view_bytes(t: torch.Tensor) -> memoryview:
@@ -32,62 +36,94 @@ def _dest_view(item: ReadItem, dest_box: Box, dest: torch.Tensor) -> tuple[torch
     return view, compact
 
 
-def _read_one(storage: Storage, manifest: Manifest, item: ReadItem, dest_box: Box, dest: torch.Tensor,
-              verify: bool) -> tuple[int, torch.Tensor]:
+@dataclass
+class _Prepared:
+    """One read item ready to be filled: where its bytes go and the byte runs that fill them."""
+    item: ReadItem
+    view: torch.Tensor
+    compact: torch.Tensor
+    out: memoryview
+    runs: list[tuple[int, memoryview]]      # (file offset, piece of `out`), in file order
+
+
+def _prepare(manifest: Manifest, item: ReadItem, dest_box: Box, dest: torch.Tensor) -> _Prepared:
     sb = item.saved
     view, compact = _dest_view(item, dest_box, dest)
-    direct = compact is view
     if sb.file == ZERO_FILL:
         # A region no stored bytes back (pad rows added by a transform): it loads as zeros.
         with torch.no_grad():
-            view.zero_()
-            if not direct:
-                compact.zero_()
-        return 0, compact
+            compact.zero_()
+        return _Prepared(item, view, compact, memoryview(b""), [])
     out = _view_bytes(compact)
     itemsize = dest.element_size()
     # The stored block may be larger than the saved box when a transform made it a window.
     rel_saved, stored_lengths = stored_region(item)
     run_elems, _, starts = element_runs(rel_saved, stored_lengths)
     run_bytes = run_elems * itemsize
-    path = manifest.files[sb.file].path
-    # Group runs into requests; each request fills consecutive pieces of `out`.
-    requests: list[tuple[int, list[memoryview]]] = []
-    scratch = None
-    pos = 0
-    cur_start = cur_end = None
-    pieces: list[memoryview] = []
+    runs, pos = [], 0
     for s in starts:
-        b = sb.offset + s * itemsize
-        if cur_end is not None and 0 <= b - cur_end <= COALESCE_GAP:
-            if b > cur_end:
-                if scratch is None or len(scratch) < b - cur_end:
-                    scratch = memoryview(bytearray(COALESCE_GAP))
-                pieces.append(scratch[: b - cur_end])
-        else:
-            if pieces:
-                requests.append((cur_start, pieces))
-            pieces, cur_start = [], b
-        pieces.append(out[pos:pos + run_bytes])
+        runs.append((sb.offset + s * itemsize, out[pos:pos + run_bytes]))
         pos += run_bytes
-        cur_end = b + run_bytes
-    if pieces:
-        requests.append((cur_start, pieces))
-    for off, bufs in requests:
-        try:
-            storage.read_into(path, off, bufs)
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(
-                f"{e} (reading tensor {item.name!r} box offsets={list(sb.offsets)} lengths={list(sb.lengths)})") from None
-    if verify and item.whole_box and sb.checksum is not None and checksum(out) != sb.checksum:
+    return _Prepared(item, view, compact, out, runs)
+
+
+def _requests(manifest: Manifest, prepared: Sequence[_Prepared]) -> list[tuple[str, int, list[memoryview], list[ReadItem]]]:
+    """Merge the runs of all items into few large requests per file: runs closer than
+    COALESCE_GAP join one request (the gap is read into scratch), up to MAX_REQUEST bytes. On
+    object stores a request is an HTTP round trip, so one GET per tensor would dominate a load."""
+    by_file: dict[int, list[tuple[int, memoryview, ReadItem]]] = {}
+    for p in prepared:
+        for off, buf in p.runs:
+            by_file.setdefault(p.item.saved.file, []).append((off, buf, p.item))
+    out = []
+    for fi, runs in by_file.items():
+        path = manifest.files[fi].path
+        runs.sort(key=lambda r: r[0])
+        cur: list = []
+        start = end = 0
+        scratch = None
+        for off, buf, item in runs:
+            gap = off - end
+            if cur and 0 <= gap <= COALESCE_GAP and off + len(buf) - start <= MAX_REQUEST:
+                if gap:
+                    if scratch is None:
+                        scratch = memoryview(bytearray(COALESCE_GAP))
+                    cur[2].append(scratch[:gap])
+            else:
+                if cur:
+                    out.append(cur)
+                cur, start, scratch = [path, off, [], []], off, None
+            cur[2].append(buf)
+            if not cur[3] or cur[3][-1] is not item:
+                cur[3].append(item)
+            end = off + len(buf)
+        if cur:
+            out.append(cur)
+    return [tuple(r) for r in out]
+
+
+def _fetch(storage: Storage, path: str, off: int, bufs: list[memoryview], items: list[ReadItem]) -> None:
+    try:
+        storage.read_into(path, off, bufs)
+    except CorruptCheckpointError as e:
+        names = sorted({f"{it.name!r} box offsets={list(it.saved.offsets)} lengths={list(it.saved.lengths)}"
+                        for it in items})
+        raise CorruptCheckpointError(f"{e} (reading tensor {', '.join(names[:3])}"
+                                     f"{' ...' if len(names) > 3 else ''})") from None
+
+
+def _finish(storage: Storage, manifest: Manifest, p: _Prepared, verify: bool) -> int:
+    item, sb = p.item, p.item.saved
+    if verify and item.whole_box and sb.checksum is not None and sb.file != ZERO_FILL \
+            and checksum(p.out) != sb.checksum:
         raise CorruptCheckpointError(
-            f"checksum mismatch in {storage.describe(path)} for tensor {item.name!r} box "
+            f"checksum mismatch in {storage.describe(manifest.files[sb.file].path)} for tensor {item.name!r} box "
             f"offsets={list(sb.offsets)} lengths={list(sb.lengths)}: the data file is corrupt; restore it "
             "or load an earlier checkpoint")
-    if not direct:
+    if p.compact is not p.view:
         with torch.no_grad():
-            view.copy_(compact)
-    return len(out), compact
+            p.view.copy_(p.compact)
+    return len(p.out)
 
 
 def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
@@ -96,14 +132,18 @@ def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     """Read every item into its destination; returns each item's filled contiguous bytes (the
     destination region itself, or the temporary it was copied from) for forwarding to peers."""
     with timer.phase("read"):
-        if executor is None or len(items) <= 1:
-            done = [_read_one(storage, manifest, it, dest_boxes[it.dest], dests[it.dest], verify) for it in items]
+        prepared = [_prepare(manifest, it, dest_boxes[it.dest], dests[it.dest]) for it in items]
+        requests = _requests(manifest, prepared)
+        if executor is None or len(requests) <= 1:
+            for r in requests:
+                _fetch(storage, *r)
+            n = sum(_finish(storage, manifest, p, verify) for p in prepared)
         else:
-            futs = [executor.submit(_read_one, storage, manifest, it, dest_boxes[it.dest], dests[it.dest], verify)
-                    for it in items]
-            done = [f.result() for f in futs]
-    timer.count("read", sum(n for n, _ in done))
-    return [c for _, c in done]
+            for f in [executor.submit(_fetch, storage, *r) for r in requests]:
+                f.result()
+            n = sum(f.result() for f in [executor.submit(_finish, storage, manifest, p, verify) for p in prepared])
+    timer.count("read", n)
+    return [p.compact for p in prepared]
 
 
 def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor], plan: "ForwardPlan",
