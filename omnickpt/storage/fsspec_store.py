@@ -46,7 +46,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Sequence
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, StorageError, UnsupportedError
-from omnickpt.storage.base import Segment
+from omnickpt.storage.base import Segment, bytes_view, cover, split
 from omnickpt.storage.local import _fsync_dir
 
 try:
@@ -136,7 +136,7 @@ class FsspecStorage:
                    *, durable: bool) -> dict[str, float]:
         del executor  # one stream per file (see the module docstring)
         path = self._path(rel)
-        pieces = _cover(size, segments, self.describe(rel))
+        pieces = cover(size, segments, self.describe(rel))
         try:
             if not self._buckets:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)
@@ -210,8 +210,8 @@ class FsspecStorage:
 
     # ------------------------------------------------------------------ reads
     def read_into(self, rel: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        bufs = [_bytes_view(b) for b in buffers if len(b)]
-        ranges = _split(bufs, _READ_CHUNK)
+        bufs = [bytes_view(b) for b in buffers if len(b)]
+        ranges = split(bufs, _READ_CHUNK)
         if len(ranges) <= 1:
             for delta, part in ranges:
                 self._read_range(rel, offset + delta, part)
@@ -345,42 +345,3 @@ class FsspecStorage:
 
 
 # ---------------------------------------------------------------------- helpers
-def _bytes_view(mv) -> memoryview:
-    mv = memoryview(mv)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def _cover(size: int, segments: Sequence[Segment], where: str) -> list[tuple[int, memoryview | int]]:
-    """The file as (offset, piece) in order: the segments' bytes, and counts of zero bytes for the
-    gaps between them."""
-    out: list[tuple[int, memoryview | int]] = []
-    pos = 0
-    for off, data in sorted(((s.offset, _bytes_view(s.data)) for s in segments if len(s.data)), key=lambda s: s[0]):
-        if off < pos or off + len(data) > size:
-            raise StorageError(f"writing {where}: segment at byte {off} ({len(data)} bytes) overlaps another or "
-                               f"runs past the file's {size} bytes (a bug in the caller)")
-        if off > pos:
-            out.append((pos, off - pos))
-        out.append((off, data))
-        pos = off + len(data)
-    if pos < size:
-        out.append((pos, size - pos))
-    return out
-
-
-def _split(bufs: list[memoryview], chunk: int) -> list[tuple[int, list[memoryview]]]:
-    """Cut a run of buffers into consecutive ranges of `chunk` bytes: (offset in the run, views)."""
-    out: list[tuple[int, list[memoryview]]] = []
-    pos, cur, room = 0, [], chunk
-    for b in bufs:
-        while len(b):
-            take = min(room, len(b))
-            cur.append(b[:take])
-            b, room = b[take:], room - take
-            if not room:
-                out.append((pos, cur))
-                pos, cur, room = pos + chunk, [], chunk
-    if cur:
-        out.append((pos, cur))
-    return out
-

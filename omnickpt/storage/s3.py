@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExec
 from typing import Sequence
 
 from omnickpt.errors import CorruptCheckpointError, StorageError, UnsupportedError
-from omnickpt.storage.base import Segment
+from omnickpt.storage.base import Segment, bytes_view, cover, split
 
 try:
     import boto3
@@ -152,7 +152,7 @@ class S3Storage:
                    *, durable: bool) -> dict[str, float]:
         # durable is implied: S3 stores the object durably before PUT/Complete returns.
         key = self._key(rel)
-        pieces = _cover(size, segments, self.describe(rel))
+        pieces = cover(size, segments, self.describe(rel))
         part_size = max(self.part_size, -(-size // MAX_PARTS))
         if size <= part_size:
             try:
@@ -234,7 +234,7 @@ class S3Storage:
 
     # ------------------------------------------------------------------ reads
     def read_into(self, rel: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        bufs = [_bytes_view(b) for b in buffers if len(b)]
+        bufs = [bytes_view(b) for b in buffers if len(b)]
         total = sum(len(b) for b in bufs)
         if total < 2 * self.part_size:
             if total:
@@ -242,7 +242,7 @@ class S3Storage:
             return
         # A large range (a big tensor) goes as several ranged GETs at once: one S3 connection
         # streams far slower than a host can take in. Each fills its own slice of the buffers.
-        ranges = _split(bufs, self.part_size)
+        ranges = split(bufs, self.part_size)
         pool = ThreadPoolExecutor(min(_MAX_STREAMS, len(ranges)), thread_name_prefix="omnickpt-s3-get")
         try:
             for f in [pool.submit(self._get_range, rel, offset + delta, part) for delta, part in ranges]:
@@ -409,29 +409,6 @@ def _client(settings: tuple, endpoint: str | None, region: str | None, max_attem
     return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=config)
 
 
-def _bytes_view(mv) -> memoryview:
-    mv = memoryview(mv)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def _cover(size: int, segments: Sequence[Segment], where: str) -> list[tuple[int, memoryview | int]]:
-    """The file as (offset, piece) in order: the segments' bytes, and zero-length counts for the gaps
-    between them (those bytes are zeros, as in a sparse local file)."""
-    out: list[tuple[int, memoryview | int]] = []
-    pos = 0
-    for off, data in sorted(((s.offset, _bytes_view(s.data)) for s in segments if len(s.data)), key=lambda s: s[0]):
-        if off < pos or off + len(data) > size:
-            raise StorageError(f"writing {where}: segment at byte {off} ({len(data)} bytes) overlaps another or "
-                               f"runs past the file's {size} bytes (a bug in the caller)")
-        if off > pos:
-            out.append((pos, off - pos))
-        out.append((off, data))
-        pos = off + len(data)
-    if pos < size:
-        out.append((pos, size - pos))
-    return out
-
-
 class _PiecesReader:
     """A seekable, read-only file over bytes [start, end) of a file given as pieces: what botocore
     needs for a request body (it reads in blocks, and seeks back to checksum and to retry)."""
@@ -477,23 +454,6 @@ class _PiecesReader:
 
     def close(self) -> None:
         pass
-
-
-def _split(bufs: list[memoryview], chunk: int) -> list[tuple[int, list[memoryview]]]:
-    """Cut a run of buffers into consecutive ranges of `chunk` bytes: (offset in the run, views)."""
-    out: list[tuple[int, list[memoryview]]] = []
-    pos, cur, room = 0, [], chunk
-    for b in bufs:
-        while len(b):
-            take = min(room, len(b))
-            cur.append(b[:take])
-            b, room = b[take:], room - take
-            if not room:
-                out.append((pos, cur))
-                pos, cur, room = pos + chunk, [], chunk
-    if cur:
-        out.append((pos, cur))
-    return out
 
 
 def _readinto(body, mv: memoryview) -> int:
