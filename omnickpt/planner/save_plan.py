@@ -80,15 +80,25 @@ def build_global_plan(records: list[list[ShardRecord]]) -> GlobalPlan:
                 raise PlanError(f"tensor {r.name!r}: rank {rank} holds box {r.box} outside shape {list(r.shape)}")
             holders.setdefault((r.name, r.box.key()), []).append((rank, i))
 
-    # Largest first onto the least-loaded holder: greedy LPT keeps per-rank bytes within one box.
-    groups = sorted(holders.items(), key=lambda kv: (-records[kv[1][0][0]][kv[1][0][1]].nbytes, kv[0][0], kv[0][1]))
     load = [0] * world
     count = [0] * world
     chosen: list[list[int]] = [[] for _ in range(world)]
-    for _, hs in groups:
+    # A box only one rank holds is that rank's to write: no choice, no sort (most boxes under
+    # FSDP/TP). Only replicated boxes are balanced, on top of that load.
+    replicated = []
+    for key, hs in holders.items():
+        if len(hs) == 1:
+            rank, idx = hs[0]
+            load[rank] += records[rank][idx].nbytes
+            count[rank] += 1
+            chosen[rank].append(idx)
+        else:
+            replicated.append((key, hs))
+    # Largest first onto the least-loaded holder: greedy LPT keeps per-rank bytes within one box.
+    replicated.sort(key=lambda kv: (-records[kv[1][0][0]][kv[1][0][1]].nbytes, kv[0][0], kv[0][1]))
+    for _, hs in replicated:
         rank, idx = min(hs, key=lambda h: (load[h[0]], count[h[0]], h[0]))
-        nbytes = records[rank][idx].nbytes
-        load[rank] += nbytes
+        load[rank] += records[rank][idx].nbytes
         count[rank] += 1
         chosen[rank].append(idx)
 
