@@ -112,3 +112,64 @@ def apply_layout(model: nn.Module, layout: str, mesh=None, group=None) -> nn.Mod
         fully_shard(model, mesh=mesh["dp"])
         return model
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+# ---- shared by the storage-backend tests (test_s3.py, test_fsspec.py) ----------------------------
+def stepped(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One optimizer step with gradients that are a function of the parameters: every rank and
+    layout computes the same numbers without a forward pass."""
+    for p in model.parameters():
+        p.grad = torch.cos(p.detach() * 3.0) * 0.1 + 0.02
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def toy(layout: str, seed: int, mesh=None):
+    """A ToyMLP in `layout` with Adam state from one deterministic step."""
+    torch.manual_seed(seed)
+    model = apply_layout(ToyMLP(), layout, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    stepped(model, opt)
+    return model, opt
+
+
+def full_values(model, opt) -> dict:
+    """Every tensor of the model and its Adam state as a full tensor (collective under FSDP2:
+    every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+    from omnickpt.adapters.module import unwrap
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    inner = unwrap(model)
+    names = {id(p): n for n, p in inner.named_parameters()}
+    out = {f"model/{k}": full(v) for k, v in inner.state_dict().items()}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            out[f"optim/{names[id(p)]}/{k}"] = full(v)
+    return out
+
+
+def two_rank_fsdp2_roundtrip(rank, world_size, sync_url, async_url):
+    """run_ranks body: FSDP2 saves to both URLs (sync, then async with the parameters zeroed right
+    after the call), loads each back into fresh objects; returns (saved values, {url: names that differ})."""
+    import omnickpt
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", torch.arange(world_size))
+    model, opt = toy("fsdp2", 0, mesh)
+    saved = full_values(model, opt)
+    omnickpt.save(sync_url, {"model": model, "optimizer": opt}).wait()
+    # async: the commit goes through storage (the coordinator polls for the ranks' records)
+    handle = omnickpt.save(async_url, {"model": model, "optimizer": opt}, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.0)               # after the snapshot: must not reach the checkpoint
+    handle.wait()
+    out = {}
+    for url in (sync_url, async_url):
+        fresh, fresh_opt = toy("fsdp2", 5, mesh)
+        omnickpt.load(url, {"model": fresh, "optimizer": fresh_opt})
+        got = full_values(fresh, fresh_opt)
+        assert saved.keys() == got.keys()
+        out[url] = [k for k in saved if not torch.equal(saved[k], got[k])]
+    return saved, out

@@ -20,6 +20,8 @@ pytest.importorskip("fsspec")
 import omnickpt  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from models import ToyMLP, apply_layout  # noqa: E402
+from models import full_values as _full_values, stepped as _stepped, toy as _toy  # noqa: E402
+from models import two_rank_fsdp2_roundtrip as _two_rank_fsdp2  # noqa: E402
 from omnickpt.cli.verify import verify  # noqa: E402
 from omnickpt.storage import Segment, storage_for  # noqa: E402
 from omnickpt.storage.fsspec_store import FsspecStorage  # noqa: E402
@@ -138,37 +140,6 @@ def test_unknown_scheme_and_bad_url_say_what_to_do():
 
 
 # ----------------------------------------------------------------------------- save / load
-def _stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """One optimizer step with gradients that are a function of the parameters: every rank and
-    layout computes the same numbers without a forward pass."""
-    for p in model.parameters():
-        p.grad = torch.cos(p.detach() * 3.0) * 0.1 + 0.02
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _toy(layout: str, seed: int, mesh=None):
-    torch.manual_seed(seed)
-    model = apply_layout(ToyMLP(), layout, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    _stepped(model, opt)
-    return model, opt
-
-
-def _full_values(model, opt) -> dict:
-    """Every tensor of the model and its Adam state as a full tensor (collective under FSDP2)."""
-    from torch.distributed.tensor import DTensor
-    from omnickpt.adapters.module import unwrap
-
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-    inner = unwrap(model)
-    names = {id(p): n for n, p in inner.named_parameters()}
-    out = {f"model/{k}": full(v) for k, v in inner.state_dict().items()}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"optim/{names[id(p)]}/{k}"] = full(v)
-    return out
 
 
 def _differing(expected: dict, got: dict) -> list[str]:
@@ -211,26 +182,6 @@ def test_save_load_sync_async_and_manager(url):
     fresh = ToyMLP()
     mgr.load_latest({"model": fresh})
     assert torch.equal(fresh.fc1.weight, torch.full_like(fresh.fc1.weight, 2.0))
-
-
-def _two_rank_fsdp2(rank, world_size, sync_url, async_url):
-    from torch.distributed.device_mesh import DeviceMesh
-    mesh = DeviceMesh("cpu", torch.arange(world_size))
-    model, opt = _toy("fsdp2", 0, mesh)
-    saved = _full_values(model, opt)
-    omnickpt.save(sync_url, {"model": model, "optimizer": opt}).wait()
-    # async: the commit goes through storage (the coordinator polls for the ranks' records)
-    handle = omnickpt.save(async_url, {"model": model, "optimizer": opt}, async_save=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.0)               # after the snapshot: must not reach the checkpoint
-    handle.wait()
-    out = {}
-    for url in (sync_url, async_url):
-        fresh, fresh_opt = _toy("fsdp2", 5, mesh)
-        omnickpt.load(url, {"model": fresh, "optimizer": fresh_opt})
-        out[url] = _differing(saved, _full_values(fresh, fresh_opt))
-    return saved, out
 
 
 def test_two_ranks_resharded_load_and_damaged_files(tmp_path):

@@ -23,6 +23,8 @@ if importlib.util.find_spec("moto") is None:
 import omnickpt  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from models import ToyMLP, apply_layout  # noqa: E402
+from models import full_values as _toy_full_values, stepped as _stepped, toy as _toy  # noqa: E402
+from models import two_rank_fsdp2_roundtrip as _two_rank_fsdp2  # noqa: E402
 from omnickpt.storage import Segment, storage_for  # noqa: E402
 from omnickpt.storage.s3 import S3Storage  # noqa: E402
 from s3server import AWS_ENV_TO_CLEAR, FaultProxy, MotoServer, aws_env  # noqa: E402
@@ -82,13 +84,6 @@ def proxy(moto_server):
 
 
 # ----------------------------------------------------------------------------- states
-def _stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """One optimizer step with gradients that are a function of the parameters: every rank and
-    layout computes the same numbers without a forward pass."""
-    for p in model.parameters():
-        p.grad = torch.cos(p.detach() * 3.0) * 0.1 + 0.02
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _big_state(seed: int) -> dict:
@@ -249,51 +244,6 @@ def test_save_load_sync_async_and_manager(s3, monkeypatch):
     fresh = ToyMLP()
     mgr.load_latest({"model": fresh})
     assert torch.equal(fresh.fc1.weight, torch.full_like(fresh.fc1.weight, 2.0))
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
-def _toy_full_values(model, opt) -> dict:
-    """Every tensor as a full tensor (collective under FSDP2: every rank calls it)."""
-    from omnickpt.adapters.module import unwrap
-    inner = unwrap(model)
-    names = {id(p): n for n, p in inner.named_parameters()}
-    out = {f"model/{k}": _full(v) for k, v in inner.state_dict().items()}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"optim/{names[id(p)]}/{k}"] = _full(v)
-    return out
-
-
-def _toy(layout: str, seed: int, mesh=None):
-    torch.manual_seed(seed)
-    model = apply_layout(ToyMLP(), layout, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    _stepped(model, opt)
-    return model, opt
-
-
-def _two_rank_fsdp2(rank, world_size, sync_url, async_url):
-    from torch.distributed.device_mesh import DeviceMesh
-    mesh = DeviceMesh("cpu", torch.arange(world_size))
-    model, opt = _toy("fsdp2", 0, mesh)
-    saved = _toy_full_values(model, opt)
-    omnickpt.save(sync_url, {"model": model, "optimizer": opt}).wait()
-    handle = omnickpt.save(async_url, {"model": model, "optimizer": opt}, async_save=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.0)               # after the snapshot: must not reach the checkpoint
-    handle.wait()
-    out = {}
-    for url in (sync_url, async_url):
-        fresh, fresh_opt = _toy("fsdp2", 5, mesh)
-        omnickpt.load(url, {"model": fresh, "optimizer": fresh_opt})
-        got = _toy_full_values(fresh, fresh_opt)
-        out[url] = [k for k in saved if not torch.equal(saved[k], got[k])]
-    return saved, out
 
 
 def test_two_ranks_fsdp2_and_resharded_load_to_one(s3):

@@ -87,9 +87,9 @@ def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: 
                 event = torch.cuda.Event()
                 event.record(stream)
                 torch.cuda.current_stream().wait_stream(stream)
-            for key, off, blob in placed:
-                buf[off:off + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else buf[off:off]
             whole = tensor_bytes_view(buf)
+            for key, off, blob in placed:
+                whole[off:off + len(blob)] = blob   # one copy, straight into staging
             spans = [whole[w.offset:w.offset + w.nbytes] for w in writes]
             objs = [(k, off, len(b), whole[off:off + len(b)]) for k, off, b in placed]
             return Snapshot(total, [Segment(0, whole)], spans, objs, staging, event)
