@@ -27,11 +27,18 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Sequence
 
+import numpy as np
+
 from omnickpt.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from omnickpt.storage.base import Segment, bytes_view, os_failure
 
 # Large sequential writes: one task per 64 MiB keeps several workers busy without tiny syscalls.
 _WRITE_CHUNK = 64 << 20
+# O_DIRECT wants file offsets, lengths and memory addresses aligned to the logical block size
+# (512 or 4096 bytes): a page covers both. Files below _DIRECT_MIN go through the page cache,
+# where a small write costs less than opening a second descriptor.
+_DIRECT_ALIGN = 4096
+_DIRECT_MIN = 4 << 20
 _IOV_MAX = 512
 # Errors of os.link that mean "this file system has no hard links", not "you may not".
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})
@@ -40,9 +47,12 @@ _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.
 class LocalStorage:
     """A checkpoint in a local (or mounted network) directory. Thread-safe."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, *, direct_io: bool | None = None):
+        """direct_io: durable writes of large files go straight from memory to the device (O_DIRECT)
+        where the file system allows it; None (default): yes unless $OMNICKPT_DIRECT_IO=0."""
         self.root = os.path.abspath(os.path.expanduser(str(root)))
         self._real: str | None = None      # realpath(root), kept once the root exists
+        self.direct_io = os.environ.get("OMNICKPT_DIRECT_IO", "1") != "0" if direct_io is None else direct_io
 
     def describe(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root
@@ -102,28 +112,38 @@ class LocalStorage:
     # ------------------------------------------------------------------ writes
     def write_file(self, rel: str, size: int, segments: Sequence[Segment], executor: Executor | None,
                    *, durable: bool) -> dict[str, float]:
+        """A durable write of a large file sends its page-aligned bytes with O_DIRECT and the rest
+        through the page cache, then one fsync: measured on this machine (bench/write_path.py) the
+        page cache's write-back of a fresh 800 MB file runs at 0.3-1.1 GB/s with stalls of seconds,
+        O_DIRECT at 2-2.6 GB/s, steadily, and it leaves the node's page cache to training."""
         path = self._path(rel)
         self._dir_for_writing(path, size)
         try:
             fd = _open_replacing_link(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as e:
             raise self._failure("creating", path, e, size) from e
+        dfd = _open_direct(path) if durable and self.direct_io and size >= _DIRECT_MIN else None
         fsync_seconds = 0.0
         try:
             os.ftruncate(fd, size)
             pieces = [(seg.offset + s, seg.data[s:s + _WRITE_CHUNK])
                       for seg in segments for s in range(0, len(seg.data), _WRITE_CHUNK)]
+
+            def put(off: int, mv: memoryview) -> None:
+                _write_piece(fd, dfd, mv, off, path)
             if executor is None or len(pieces) <= 1:
                 for off, mv in pieces:
-                    _pwrite_all(fd, mv, off, path)
+                    put(off, mv)
             else:
-                _pwrite_parallel(executor, fd, pieces, path)
+                _pwrite_parallel(executor, put, pieces)
             if durable:
                 t0 = time.perf_counter()
-                os.fsync(fd)
+                os.fsync(fd)    # also flushes the device's cache for the O_DIRECT writes
                 fsync_seconds = time.perf_counter() - t0
         except BaseException as e:
             os.close(fd)
+            if dfd is not None:
+                os.close(dfd)
             # The partial file holds the device's space (a full device stays full) and is no
             # checkpoint's: the manifest that would name it is never written.
             _unlink_quietly(path)
@@ -131,6 +151,8 @@ class LocalStorage:
                 raise self._failure("writing", path, e, size) from e
             raise
         try:
+            if dfd is not None:
+                os.close(dfd)
             os.close(fd)     # network file systems report a failed write-back here
         except OSError as e:
             _unlink_quietly(path)
@@ -380,8 +402,58 @@ def _pwrite_all(fd: int, mv: memoryview, offset: int, path: str) -> None:
         mv, offset = mv[n:], offset + n
 
 
-def _pwrite_parallel(executor: Executor, fd: int, pieces: list[tuple[int, memoryview]], path: str) -> None:
-    futures = [executor.submit(_pwrite_all, fd, mv, off, path) for off, mv in pieces]
+def _open_direct(path: str) -> int | None:
+    """A second descriptor of `path` for O_DIRECT writes, or None where the file system (tmpfs,
+    some network and FUSE file systems) or the platform has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+
+
+def direct_part(off: int, addr: int, n: int) -> tuple[int, int]:
+    """The [lo, hi) bytes of an `n`-byte piece at file offset `off` and memory address `addr` that
+    O_DIRECT can write: whole pages, aligned in the file and in memory ((0, 0) if none)."""
+    if (addr - off) % _DIRECT_ALIGN:
+        return 0, 0
+    lo = -off % _DIRECT_ALIGN
+    hi = lo + max(n - lo, 0) // _DIRECT_ALIGN * _DIRECT_ALIGN
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def _write_piece(fd: int, dfd: int | None, mv: memoryview, off: int, path: str) -> None:
+    lo, hi = (0, 0)
+    if dfd is not None and len(mv) >= _DIRECT_ALIGN:
+        lo, hi = direct_part(off, np.frombuffer(mv, dtype=np.uint8).ctypes.data, len(mv))
+    if hi == lo:
+        _pwrite_all(fd, mv, off, path)
+        return
+    _pwrite_all(fd, mv[:lo], off + 0, path)
+    done = _pwrite_direct(dfd, mv[lo:hi], off + lo)
+    _pwrite_all(fd, mv[lo + done:], off + lo + done, path)
+
+
+def _pwrite_direct(dfd: int, mv: memoryview, off: int) -> int:
+    """Bytes of `mv` written with O_DIRECT; the caller writes the rest through the page cache (a
+    short write leaves it unaligned, and a file system may refuse O_DIRECT writes it let us open)."""
+    done = 0
+    try:
+        while done < len(mv):
+            n = os.pwrite(dfd, mv[done:], off + done)
+            if n <= 0 or n % _DIRECT_ALIGN:
+                return done + max(n, 0)
+            done += n
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return done
+
+
+def _pwrite_parallel(executor: Executor, put, pieces: list[tuple[int, memoryview]]) -> None:
+    futures = [executor.submit(put, off, mv) for off, mv in pieces]
     wait(futures, return_when=FIRST_EXCEPTION)
     for f in futures:
         f.cancel()
