@@ -1,0 +1,146 @@
+"""How often to checkpoint: a fixed interval, "auto" (CheckFreq's rule: the most frequent cadence
+whose measured cost stays under a fraction of the training time) or "continuous" (the next save as
+soon as the previous one is durable, Orbax's continuous mode).
+
+The cost of one asynchronous save is what training loses to it: the stall (the loop waits for the
+snapshot) plus the interference (steps that run while the save is in flight are slower, because
+the save's copying, checksumming and writing share the cores and the memory bus). Both are
+measured on the job itself, from the times at which the manager's save() is called:
+
+    overhead(k) = (stall + interference) / (k * step)          for a save every k steps
+
+and "auto" picks the smallest k with overhead(k) <= max_overhead, and never one so small that a save
+would start before the previous one is durable (k * step >= background), capped by max_interval.
+
+`choose_interval` is the pure rule; `Cadence` keeps the measurements (medians of the recent ones,
+so one slow step or save does not swing the interval) and answers `due(step)`. Nothing here
+touches storage or processes: the manager feeds it and asks it.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+MODES = ("auto", "continuous")
+_WINDOW = 16   # recent measurements kept for each median
+
+
+def choose_interval(step_s: float, stall_s: float, background_s: float, interference_s: float = 0.0, *,
+                    max_overhead: float, max_interval: int, min_interval: int = 1) -> int:
+    """Steps between two saves (pure): the smallest k >= min_interval with
+    (stall + interference) / (k * step) <= max_overhead and k * step >= background, at most
+    max_interval. With no measured step time yet, min_interval."""
+    if not step_s > 0:
+        return min_interval
+    cost = max(stall_s, 0.0) + max(interference_s, 0.0)
+    k_cost = math.ceil(cost / (max_overhead * step_s) - 1e-9) if cost > 0 else 1
+    k_flight = math.ceil(max(background_s, 0.0) / step_s - 1e-9)
+    return max(min_interval, min(max_interval, max(k_cost, k_flight, 1)))
+
+
+@dataclass
+class CadenceReport:
+    mode: str
+    interval: int | None
+    step_s: float | None
+    stall_s: float | None
+    background_s: float | None
+    interference_s: float | None
+    overhead: float | None          # measured: (stall + interference) / (interval * step)
+    max_overhead: float | None
+
+
+class Cadence:
+    """Whether a step is due for a save. `every`: an int (a fixed interval), "auto" or "continuous".
+
+    The manager calls `observe_call(step, now, in_flight)` at every save() call (it learns the step
+    time from consecutive calls, and whether a save was in flight during those steps),
+    `observe_save(stall_s, background_s)` once a save it started is durable, and `due(step,
+    in_flight)` to decide."""
+
+    def __init__(self, every: int | str, *, max_overhead: float = 0.02, max_interval: int = 10_000):
+        if isinstance(every, bool) or not (isinstance(every, int) and every >= 1 or every in MODES):
+            raise ValueError(f"every={every!r}: must be a positive int, 'auto' or 'continuous'")
+        if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
+            raise ValueError(f"max_overhead={max_overhead!r}: must be a fraction between 0 and 1 (0.02 is 2%)")
+        if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 1:
+            raise ValueError(f"max_interval={max_interval!r}: must be a positive int")
+        self.every, self.max_overhead, self.max_interval = every, float(max_overhead), max_interval
+        self._last_call: tuple[int, float] | None = None
+        self._steps: dict[bool, deque[float]] = {False: deque(maxlen=_WINDOW), True: deque(maxlen=_WINDOW)}
+        self._stalls: deque[float] = deque(maxlen=_WINDOW)
+        self._backgrounds: deque[float] = deque(maxlen=_WINDOW)
+        self._in_flight_steps: deque[int] = deque(maxlen=_WINDOW)
+        self._last_saved: int | None = None
+
+    # ------------------------------------------------------------------ measurements
+    def observe_call(self, step: int, now: float, in_flight: bool) -> None:
+        """A save() call at `step`, at monotonic time `now`; `in_flight`: a save of ours was in flight
+        during the steps since the previous call."""
+        if self._last_call is not None:
+            prev_step, prev_t = self._last_call
+            if step > prev_step and now > prev_t:
+                self._steps[in_flight].append((now - prev_t) / (step - prev_step))
+        self._last_call = (step, now)
+
+    def observe_save(self, stall_s: float, background_s: float, steps_in_flight: int | None = None) -> None:
+        self._stalls.append(max(stall_s, 0.0))
+        self._backgrounds.append(max(background_s, 0.0))
+        if steps_in_flight is not None:
+            self._in_flight_steps.append(steps_in_flight)
+
+    def saved(self, step: int) -> None:
+        self._last_saved = step
+
+    # ------------------------------------------------------------------ decisions
+    @property
+    def step_s(self) -> float | None:
+        quiet = self._steps[False] or self._steps[True]
+        return statistics.median(quiet) if quiet else None
+
+    def interference_s(self) -> float:
+        """Training time lost per save to its background work: the slowdown of a step with a save
+        in flight, times the steps that run while one is."""
+        quiet, busy = self._steps[False], self._steps[True]
+        if not quiet or not busy:
+            return 0.0
+        per_step = max(statistics.median(busy) - statistics.median(quiet), 0.0)
+        flights = statistics.median(self._in_flight_steps) if self._in_flight_steps else 1
+        return per_step * flights
+
+    def interval(self) -> int | None:
+        """Steps between saves under the current measurements (None in continuous mode)."""
+        if isinstance(self.every, int):
+            return self.every
+        if self.every == "continuous":
+            return None
+        step = self.step_s
+        if step is None or not self._stalls:
+            return 1      # nothing measured yet: save, and learn from it
+        return choose_interval(step, statistics.median(self._stalls), statistics.median(self._backgrounds),
+                               self.interference_s(), max_overhead=self.max_overhead,
+                               max_interval=self.max_interval)
+
+    def due(self, step: int, in_flight: bool) -> bool:
+        if self.every == "continuous":
+            return not in_flight
+        if self._last_saved is None:
+            return True
+        if isinstance(self.every, int):
+            return step % self.every == 0 or step - self._last_saved >= self.every
+        return step - self._last_saved >= self.interval()
+
+    def report(self) -> CadenceReport:
+        interval, step = self.interval(), self.step_s
+        stall = statistics.median(self._stalls) if self._stalls else None
+        background = statistics.median(self._backgrounds) if self._backgrounds else None
+        interference = self.interference_s() if stall is not None else None
+        overhead = None
+        if interval and step and stall is not None:
+            overhead = (stall + (interference or 0.0)) / (interval * step)
+        return CadenceReport(mode=str(self.every) if not isinstance(self.every, int) else "fixed", interval=interval,
+                             step_s=step, stall_s=stall, background_s=background, interference_s=interference,
+                             overhead=overhead,
+                             max_overhead=self.max_overhead if self.every == "auto" else None)

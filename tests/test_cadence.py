@@ -1,0 +1,71 @@
+"""The cadence rule (omnickpt/cadence.py): with synthetic step times and stalls, the chosen interval
+is the formula's, and the tracker measures what the manager feeds it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from omnickpt.cadence import Cadence, choose_interval
+
+
+@pytest.mark.parametrize("step,stall,background,interference,target", [
+    (0.5, 0.2, 1.0, 0.0, 0.02),     # cost-bound: 0.2 / (0.02 * 0.5) = 20 steps
+    (0.5, 0.01, 3.2, 0.0, 0.02),    # flight-bound: the save is in flight for 6.4 steps -> 7
+    (0.1, 0.05, 0.0, 0.05, 0.035),  # stall + interference: 0.1 / (0.035 * 0.1) = 28.57 -> 29
+    (1.0, 0.0, 0.0, 0.0, 0.02),     # free saves: every step
+])
+def test_the_interval_is_the_smallest_that_keeps_the_overhead_under_the_target(step, stall, background,
+                                                                              interference, target):
+    k = choose_interval(step, stall, background, interference, max_overhead=target, max_interval=10_000)
+    want = max(1, math.ceil((stall + interference) / (target * step) - 1e-9), math.ceil(background / step - 1e-9))
+    assert k == want
+    assert (stall + interference) / (k * step) <= target + 1e-12
+    assert k * step >= background - 1e-12
+    if k > 1 and (stall + interference) > 0 and k * step > background + step:
+        assert (stall + interference) / ((k - 1) * step) > target     # and no smaller one would do
+
+
+def test_the_interval_is_capped_and_needs_a_step_time():
+    assert choose_interval(0.01, 10.0, 0.0, max_overhead=0.01, max_interval=500) == 500
+    assert choose_interval(0.0, 1.0, 1.0, max_overhead=0.02, max_interval=500) == 1
+
+
+def test_auto_cadence_measures_steps_stalls_and_interference_from_calls():
+    c = Cadence("auto", max_overhead=0.02)
+    assert c.due(0, in_flight=False)                      # nothing measured: save and learn
+    c.saved(0)
+    t = 0.0
+    # the manager sees save() called every step: 10 quiet steps of 0.5 s, then 4 with a save in flight of 0.6 s
+    for s in range(1, 11):
+        t += 0.5
+        c.observe_call(s, t, in_flight=False)
+    for s in range(11, 15):
+        t += 0.6
+        c.observe_call(s, t, in_flight=True)
+    c.observe_save(stall_s=0.1, background_s=2.0, steps_in_flight=4)
+    assert c.step_s == pytest.approx(0.5)
+    assert c.interference_s() == pytest.approx(0.1 * 4)
+    # (0.1 + 0.4) / (0.02 * 0.5) = 50 steps; the flight needs 4
+    assert c.interval() == 50
+    assert not c.due(49, in_flight=False) and c.due(50, in_flight=False)
+    rep = c.report()
+    assert rep.interval == 50 and rep.overhead == pytest.approx(0.5 / (50 * 0.5)) and rep.overhead <= 0.02
+
+
+def test_continuous_saves_whenever_nothing_is_in_flight_and_fixed_every_n():
+    c = Cadence("continuous")
+    assert c.due(7, in_flight=False) and not c.due(8, in_flight=True)
+    f = Cadence(10)
+    assert f.due(0, False)
+    f.saved(0)
+    assert not f.due(5, False) and f.due(10, False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(every=0), dict(every="sometimes"), dict(every=True),
+                                    dict(every="auto", max_overhead=0), dict(every="auto", max_overhead=2),
+                                    dict(every="auto", max_interval=0)])
+def test_bad_options_are_refused_by_name(kwargs):
+    every = kwargs.pop("every")
+    with pytest.raises(ValueError, match="every=|max_overhead=|max_interval="):
+        Cadence(every, **kwargs)
