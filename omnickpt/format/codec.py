@@ -1,0 +1,79 @@
+"""Lossless compression of stored chunks: "zstd", and "bytesplit-zstd" (each element's bytes split
+into planes, byte k of every element together, then zstd).
+
+Why the split: in float weights and optimizer moments the sign/exponent byte of neighbouring
+elements varies little while the low mantissa bytes are close to random; interleaved, zstd sees
+near-random bytes everywhere, split into planes it finds the exponent plane's redundancy (the idea
+of the byte-shuffle filters of HDF5/Blosc, and of the exponent/mantissa split behind the ~1.3-1.5x
+lossless ratios on bf16/fp32 weights). Each chunk is compressed on its own, so that a ranged or
+resharded read decompresses only the chunks it needs; a chunk's checksum covers its stored
+(compressed) bytes, so corruption is caught before anything is decompressed.
+
+Pure functions over bytes; no state. zstandard objects are not thread-safe, so each call makes
+its own (a few microseconds against a 1 MiB chunk's milliseconds).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from omnickpt.errors import CorruptCheckpointError
+
+CODECS = ("zstd", "bytesplit-zstd")
+DEFAULT_LEVEL = 3
+
+
+def check_codec(codec: str | None) -> str | None:
+    if codec is not None and codec not in CODECS:
+        raise ValueError(f"compression={codec!r}: must be one of {', '.join(map(repr, CODECS))} or None")
+    return codec
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as e:   # a core dependency; only a broken install lacks it
+        raise ImportError("compression needs the zstandard package: pip install zstandard") from e
+    return zstandard
+
+
+def _planes(raw: memoryview, itemsize: int) -> bytes:
+    """Byte k of every element together, k = 0..itemsize-1 (a trailing partial element, which whole
+    chunks of whole elements never have, stays at the end as it is)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    whole = len(a) // itemsize * itemsize
+    split = a[:whole].reshape(-1, itemsize).T.tobytes()
+    return split + a[whole:].tobytes()
+
+
+def _unplanes(data: bytes, itemsize: int, out: memoryview) -> None:
+    a = np.frombuffer(data, dtype=np.uint8)
+    whole = len(a) // itemsize * itemsize
+    dst = np.frombuffer(out, dtype=np.uint8)
+    dst[:whole].reshape(-1, itemsize)[:] = a[:whole].reshape(itemsize, -1).T
+    dst[whole:] = a[whole:]
+
+
+def compress(raw: memoryview | bytes, codec: str, itemsize: int, level: int = DEFAULT_LEVEL) -> bytes:
+    """The stored bytes of one chunk."""
+    raw = memoryview(raw).cast("B")
+    data = _planes(raw, itemsize) if codec == "bytesplit-zstd" and itemsize > 1 else raw
+    return _zstd().ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(data)
+
+
+def decompress_into(stored: memoryview | bytes, codec: str, itemsize: int, out: memoryview, where: str) -> None:
+    """Decompress one chunk's stored bytes into `out` (exactly its raw size), or raise
+    CorruptCheckpointError naming `where` when they do not decompress to that many bytes."""
+    zstd = _zstd()
+    n = len(out)
+    try:
+        data = zstd.ZstdDecompressor().decompress(bytes(stored), max_output_size=n)
+    except zstd.ZstdError as e:
+        raise CorruptCheckpointError(f"{where}: the compressed chunk does not decompress ({e}); the checkpoint "
+                                     "is damaged") from None
+    if len(data) != n:
+        raise CorruptCheckpointError(f"{where}: the compressed chunk holds {len(data)} bytes, the manifest says {n}; "
+                                     "the checkpoint is damaged")
+    if codec == "bytesplit-zstd" and itemsize > 1:
+        _unplanes(data, itemsize, out)
+    else:
+        np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
