@@ -1,0 +1,62 @@
+"""The lazy snapshot's fence (omnickpt/fence.py): which storages may be copied late, and an
+optimizer's step held until the copy is done."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
+
+
+def _model_and_opt():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_parameters_and_moments_are_step_stable_buffers_and_user_tensors_are_not():
+    model, opt = _model_and_opt()
+    extra = torch.randn(10)
+    state = {"model": model, "optim": opt, "extra": {"t": extra}}
+    stable = step_stable_storages(state)
+    for p in model.parameters():
+        assert p.untyped_storage().data_ptr() in stable
+        assert opt.state[p]["exp_avg"].untyped_storage().data_ptr() in stable
+    assert model[1].running_mean.untyped_storage().data_ptr() not in stable   # forward changes it
+    assert extra.untyped_storage().data_ptr() not in stable
+
+
+def test_optimizers_are_found_anywhere_in_the_state_once():
+    _, opt = _model_and_opt()
+
+    class Wrapper:      # Megatron's optimizers hold the torch optimizer as .optimizer
+        optimizer = opt
+    assert optimizers_in({"a": opt, "b": [opt, {"c": Wrapper()}]}) == [opt]
+
+
+def test_a_step_waits_for_the_release_and_the_hooks_come_off():
+    model, opt = _model_and_opt()
+    fence = SnapshotFence([opt], "save to x")
+    before = [p.detach().clone() for p in model.parameters()]
+    stepped = threading.Event()
+
+    def train():
+        opt.step()
+        stepped.set()
+    t = threading.Thread(target=train)
+    t.start()
+    time.sleep(0.2)
+    assert not stepped.is_set(), "the optimizer stepped before the snapshot released it"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    fence.release()
+    t.join(10)
+    assert stepped.is_set()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    fence.remove()
+    assert not opt._optimizer_step_pre_hooks
+    opt.step()      # no fence left
