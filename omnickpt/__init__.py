@@ -9,6 +9,7 @@ from omnickpt.errors import (  # noqa: E402
     NotCommittedError, PlanError,
     StorageError, UnsafeCheckpointError, UnsupportedError)
 from omnickpt.manager import CheckpointManager  # noqa: E402
+from omnickpt.tiered import MemoryTierOptions, TieredCheckpointManager  # noqa: E402
 # `omnickpt.open(path)` (like safetensors.safe_open); left out of __all__ so `import *` never shadows the builtin.
 from omnickpt.reader import CheckpointReader, open_checkpoint as open  # noqa: E402,A001,F401
 from omnickpt.spec import ShardSpec  # noqa: E402
@@ -16,7 +17,7 @@ from omnickpt.storage.shm import clear_memory, memory_usage  # noqa: E402
 
 __all__ = [
     "CheckpointError", "CheckpointLockedError", "CheckpointManager", "CheckpointReader", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
-    "DataParallelStateful", "LoadResult", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
-    "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError",
+    "DataParallelStateful", "LoadResult", "MemoryTierOptions", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
+    "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError", "TieredCheckpointManager",
     "UnsafeCheckpointError", "clear_memory", "memory_usage", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
 ]

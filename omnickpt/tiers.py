@@ -26,10 +26,12 @@ global checkpoint (any layout can load it): every rank copies its node file, nod
 node manifests in their records, and the coordinator merges them (merge_node_manifests) and writes
 the manifest last.
 
-This module holds the mechanics; the policy (when to save, persist, flush, restore) is manager.py's.
+This module holds the mechanics; the policy (when to save, persist, flush, restore) is tiered.py's
+(TieredCheckpointManager); the durable copy's records and status go through commit.py.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -43,14 +45,14 @@ from typing import Any, Sequence
 
 import torch
 
+from omnickpt.commit import post_record, set_status
 from omnickpt.engine.save import collect_garbage
-from omnickpt.format import CONTROL_DIR
-from omnickpt.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, PlanError
+from omnickpt.errors import CheckpointError, CorruptCheckpointError, PlanError
 from omnickpt.format import MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, TensorEntry, checksum
 from omnickpt.storage import Segment, Storage
 from omnickpt.storage.shm import ShmStorage, parse_shm_url
+from omnickpt.steps import committed_steps, parse_step, remove_step, retire, step_dir, step_folders
 
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 NODE_DIR = re.compile(r"^node(\d+)$")
 TIER_FILE = "tier.json"
 REPLICAS = "replicas"
@@ -58,11 +60,6 @@ RESTORE = "restore"     # a world view of one step, only while it is being resto
 PREVIOUS = "previous"   # memory of another layout of the same durable root, until restored or replaced
 log = logging.getLogger("omnickpt")
 _TIER_FORMAT = "omnickpt-memory-tier"
-_POLL_MAX = 0.05
-
-
-def step_dir(step: int) -> str:
-    return f"global_step_{int(step)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,21 +233,12 @@ class MemoryTier:
         steps, complete or not. Steps newer than `upto` are left alone: in flight, or an abandoned
         run's that this run has not passed yet (never retired in favour of this run's own)."""
         for rel in ("", self.replica_rel()):
-            complete = _complete_steps(self.storage, rel)
-            last = upto if upto is not None else (complete[-1] if complete else None)
+            last = upto
             if last is None:
-                continue
-            keep_set = set([s for s in complete if s <= last][-keep:]) | set(pinned) | {last}
-            for name in self.storage.children(rel):
-                m = STEP_DIR.match(name)
-                if not m or int(m.group(1)) in keep_set or int(m.group(1)) > last:
-                    continue
-                self._drop(f"{rel}/{name}" if rel else name)
-
-    def _drop(self, where: str) -> None:
-        # Manifest first: from then on the step is not a checkpoint, even if removal stops halfway.
-        self.storage.delete(f"{where}/{MANIFEST_NAME}")
-        self.storage.delete_tree(where)
+                complete = _complete_steps(self.storage, rel)
+                last = complete[-1] if complete else None
+            if last is not None:
+                retire(self.storage, keep, last, pinned, rel, complete=is_complete)
 
     def purge_newer(self, step: int | None) -> list[int]:
         """Node leader, after a restore (or before the first save of a run that restored nothing):
@@ -260,18 +248,17 @@ class MemoryTier:
         gone = []
         for rel in ("", self.replica_rel()):
             complete = set(_complete_steps(self.storage, rel))
-            for name in self.storage.children(rel):
-                m = STEP_DIR.match(name)
-                if m and (step is None or int(m.group(1)) > step):
-                    if rel == "" and int(m.group(1)) in complete:
-                        gone.append(int(m.group(1)))
-                    self._drop(f"{rel}/{name}" if rel else name)
+            for s, name in step_folders(self.storage, rel):
+                if step is None or s > step:
+                    if rel == "" and s in complete:
+                        gone.append(s)
+                    remove_step(self.storage, f"{rel}/{name}" if rel else name)
         return sorted(gone)
 
     def drop_step(self, step: int) -> None:
         """Node leader: remove `step` (own checkpoint and replica), e.g. found corrupt at restore."""
-        self._drop(step_dir(step))
-        self._drop(self.replica_rel(step))
+        remove_step(self.storage, step_dir(step))
+        remove_step(self.storage, self.replica_rel(step))
 
     # ---------------------------------------------------------------- restoring through a merged view
     def node_objects(self, step: int) -> list[tuple[str, list[int], bytes, int]]:
@@ -379,8 +366,7 @@ class MemoryTier:
         for name in self.job.children(PREVIOUS):
             for rel in [f"{PREVIOUS}/{name}"] + [f"{PREVIOUS}/{name}/{REPLICAS}/{r}"
                                                  for r in self.job.children(f"{PREVIOUS}/{name}/{REPLICAS}")]:
-                self.job.delete(f"{rel}/{step_dir(step)}/{MANIFEST_NAME}")
-                self.job.delete_tree(f"{rel}/{step_dir(step)}")
+                remove_step(self.job, f"{rel}/{step_dir(step)}")
 
     def remove(self) -> None:
         """Node leader: give this node's shared memory back (own steps and replicas)."""
@@ -426,8 +412,7 @@ class MemoryTier:
         mine_broken = lay.node in broken_nodes
         holder_for = (lay.node - 1) % lay.nodes   # the node whose replica this node keeps
         if mine_broken and lay.local == 0:
-            self.storage.delete(f"{step_dir(step)}/{MANIFEST_NAME}")
-            self.storage.delete_tree(step_dir(step))
+            remove_step(self.storage, step_dir(step))
         barrier()
         send = {}
         if holder_for in broken_nodes:   # this node keeps the replica of a broken node: send it back
@@ -450,12 +435,7 @@ class MemoryTier:
 
 
 def _complete_steps(storage: Storage, rel: str) -> list[int]:
-    out = []
-    for name in storage.children(rel):
-        m = STEP_DIR.match(name)
-        if m and is_complete(storage, f"{rel}/{name}" if rel else name):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    return committed_steps(storage, rel, complete=is_complete)
 
 
 def _read_identity(storage: Storage, rel: str) -> dict | None:
@@ -472,7 +452,7 @@ def _read_identity(storage: Storage, rel: str) -> dict | None:
 def _holds_steps(storage: Storage, rel: str) -> bool:
     """Whether folder `rel` (a node's, or previous/) holds any step folder, its own or a replica."""
     for name in storage.children(rel):
-        if STEP_DIR.match(name):
+        if parse_step(name) is not None:
             return True
         if name == REPLICAS or NODE_DIR.match(name):
             if _holds_steps(storage, f"{rel}/{name}"):
@@ -624,7 +604,7 @@ def choose_restore(views: Sequence[tuple[Sequence[int], Sequence[int]]], durable
 def persist_rank(tier: MemoryTier, step: int, durable: Storage, attempt: str, rank: int,
                  executor: Executor | None) -> dict:
     """Copy this rank's file of node checkpoint `step` to `durable` and report it in a record
-    (`.omnickpt/<attempt>/r<rank>.json`); node leaders add their node manifest."""
+    (omnickpt.commit.post_record); node leaders add their node manifest."""
     t0 = time.perf_counter()
     lay = tier.layout
     rel = step_dir(step)
@@ -642,8 +622,10 @@ def persist_rank(tier: MemoryTier, step: int, durable: Storage, attempt: str, ra
         files[str(f.rank)] = name
         nbytes += f.bytes
     record = {"rank": rank, "node": lay.node, "local": lay.local, "files": files, "bytes": nbytes,
-              "manifest": raw.decode() if lay.local == 0 else None, "seconds": time.perf_counter() - t0}
-    durable.commit(f"{CONTROL_DIR}/{attempt}/r{rank:05d}.json", json.dumps(record).encode())
+              # base64: a manifest is bytes (not necessarily UTF-8 text) and the record is JSON
+              "manifest_b64": base64.b64encode(raw).decode("ascii") if lay.local == 0 else None,
+              "seconds": time.perf_counter() - t0}
+    post_record(durable, attempt, rank, record)
     return record
 
 
@@ -670,72 +652,17 @@ def copy_file(src: str, nbytes: int, durable: Storage, name: str, executor: Exec
         os.close(fd)
 
 
-def report_failure(durable: Storage, attempt: str, rank: int, message: str) -> None:
-    """A rank's record saying its copy failed (best effort: the storage may be what failed)."""
-    try:
-        durable.commit(f"{CONTROL_DIR}/{attempt}/r{rank:05d}.json", json.dumps({"rank": rank, "error": message}).encode())
-    except Exception:
-        pass
-
-
-def await_records(durable: Storage, attempt: str, world_size: int, timeout: float) -> list[dict]:
-    """Coordinator: every rank's record of `attempt`, or CheckpointTimeoutError naming the missing ranks."""
-    prefix = f"{CONTROL_DIR}/{attempt}"
-    deadline, delay = time.monotonic() + timeout, 0.001
-    pattern = re.compile(r"r(\d{5})\.json")
-    while True:
-        have = {int(m.group(1)) for p in durable.list(prefix) if (m := pattern.fullmatch(p.rsplit("/", 1)[-1]))}
-        if len(have) >= world_size:
-            return [json.loads(durable.read_bytes(f"{prefix}/r{r:05d}.json")) for r in range(world_size)]
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(world_size)) - have)
-            msg = (f"ranks {missing} did not copy their memory checkpoint to {durable.describe()} within {timeout:.0f} s; "
-                   "nothing was committed there")
-            put_status(durable, attempt, {"state": "failed", "error": msg})
-            raise CheckpointTimeoutError(msg)
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
-
-
-def await_status(durable: Storage, attempt: str, timeout: float) -> None:
-    """Non-coordinator: wait until the coordinator committed (or failed) `attempt`."""
-    rel = f"{CONTROL_DIR}/{attempt}/status.json"
-    deadline, delay = time.monotonic() + timeout, 0.001
-    while True:
-        try:
-            status = json.loads(durable.read_bytes(rel))
-            break
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise CheckpointTimeoutError(f"the coordinator (rank 0) did not commit {durable.describe()} within {timeout:.0f} s")
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
-    if status.get("state") != "committed":
-        raise CheckpointError(f"persisting to {durable.describe()} failed: {status.get('error')}")
-
-
-def put_status(durable: Storage, attempt: str, doc: dict) -> None:
-    try:
-        durable.commit(f"{CONTROL_DIR}/{attempt}/status.json", json.dumps(doc).encode())
-    except Exception:   # best effort: the error being reported matters more
-        pass
-
-
 def commit_durable(durable: Storage, attempt: str, records: list[dict], ranks_per_node: int,
                    tool_version: str) -> Manifest:
-    """Coordinator: merge the node manifests of `records` into one global manifest, write it last,
-    then the status and a small report; remove files of earlier attempts there."""
-    errors = [r["error"] for r in records if r.get("error")]
-    if errors:
-        msg = "; ".join(errors) + " (nothing was committed there)"
-        put_status(durable, attempt, {"state": "failed", "error": msg})
-        raise CheckpointError(msg)
+    """Coordinator, with every rank's record (omnickpt.commit.await_records): merge the node
+    manifests into one global manifest, write it last, then a small report and the status; remove
+    files of earlier attempts there."""
     nodes: dict[int, tuple[Manifest | None, dict[int, tuple[str, int]]]] = {}
     for rec in records:
         m, renames = nodes.get(rec["node"], (None, {}))
-        if rec.get("manifest") is not None:
-            m = Manifest.decode(rec["manifest"].encode(), where=f"rank {rec['rank']}'s node manifest")
+        raw = _node_manifest(rec)
+        if raw is not None:
+            m = Manifest.decode(raw, where=f"rank {rec['rank']}'s node manifest")
         for local, name in rec["files"].items():
             renames[int(local)] = (name, rec["rank"])
         nodes[rec["node"]] = (m, renames)
@@ -749,9 +676,16 @@ def commit_durable(durable: Storage, attempt: str, records: list[dict], ranks_pe
               "total_bytes": sum(r["bytes"] for r in records),
               "seconds_per_rank": [r["seconds"] for r in records]}
     durable.commit("report.json", json.dumps(report).encode())
-    put_status(durable, attempt, {"state": "committed"})
+    set_status(durable, attempt)
     collect_garbage(durable, merged)
     return merged
+
+
+def _node_manifest(record: dict) -> bytes | None:
+    """The node manifest a node leader's record carries (as text in records of earlier versions)."""
+    if record.get("manifest_b64") is not None:
+        return base64.b64decode(record["manifest_b64"])
+    return record["manifest"].encode() if record.get("manifest") is not None else None
 
 
 def merge_node_manifests(nodes: Sequence[tuple[Manifest, dict[int, tuple[str, int]]]], *, ranks_per_node: int,

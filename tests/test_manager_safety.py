@@ -416,6 +416,27 @@ def test_leases_refuse_a_second_live_job_and_a_killed_ones_memory_is_taken_over(
 
 
 # ---------------------------------------------------------------------- 5. save input, failed saves
+def test_step_folders_and_the_retention_rule():
+    from omnickpt.steps import parse_step, retired, step_dir
+    assert step_dir(12) == "global_step_12" and parse_step("global_step_12") == 12
+    assert parse_step("global_step_") is None and parse_step("global_step_3.tmp") is None
+    assert parse_step("latest") is None
+    # keep the newest 2 committed steps up to the one just committed (5); never a newer step (7:
+    # in flight, or an abandoned run's), never a pinned one (1: being loaded); uncommitted older
+    # folders (2) go.
+    assert retired({1, 2, 3, 4, 5, 7}, committed=[1, 3, 4, 5, 7], keep=2, upto=5, pinned=[1]) == {2, 3}
+    assert retired({1, 2, 3}, committed=[1, 2, 3], keep=None, upto=3) == set()
+    assert retired({1, 2, 3}, committed=[1, 2, 3], keep=1, upto=3) == {1, 2}
+
+
+def test_restore_failures_are_classified_by_error_class():
+    from omnickpt.tiered import _fatal_class
+    for name in ("MismatchError", "UnsafeCheckpointError", "TypeError"):
+        assert _fatal_class(name), name        # root would not do better: raised
+    for name in ("CorruptCheckpointError", "StorageError", "CheckpointTimeoutError", "CheckpointError", "OSError"):
+        assert not _fatal_class(name), name    # fall back to root
+
+
 def test_save_rejects_bad_and_repeated_steps(job, tmp_path):
     for mgr in (omnickpt.CheckpointManager(str(tmp_path / "plain")), _manager(tmp_path / "mem", job)):
         for bad in (-1, 2.7, True, "3", None):

@@ -341,6 +341,34 @@ def test_exception_in_with_block_flushes_and_clean_close_reclaims(job, tmp_path)
     other.close()
 
 
+def test_memory_options_as_a_dataclass_or_keywords_build_the_tiered_manager(job, tmp_path):
+    from omnickpt import MemoryTierOptions, TieredCheckpointManager
+    for bad in (dict(url="/dev/shm/x"), dict(url=f"shm://{job}", memory_keep=0),
+                dict(url=f"shm://{job}", persist_every=0), dict(url=f"shm://{job}", on_close="drop")):
+        with pytest.raises(ValueError):
+            MemoryTierOptions(**bad)
+    assert not os.path.exists(shm_path(f"shm://{job}"))   # refused before anything touched shared memory
+    options = MemoryTierOptions(f"shm://{job}", memory_keep=2, persist_every=2, persist_on_failure=False)
+    with pytest.raises(TypeError, match="memory_keep"):
+        omnickpt.CheckpointManager(str(tmp_path / "a"), memory=options, memory_keep=3)
+    with omnickpt.CheckpointManager(str(tmp_path / "a"), memory=options) as mgr:
+        assert type(mgr) is TieredCheckpointManager and isinstance(mgr, omnickpt.CheckpointManager)
+        assert mgr.options == options
+        for step in range(1, 5):
+            mgr.save(step, {"model": _model(step), "extra": {"step": step}})
+        mgr.wait()
+        assert mgr.memory_steps() == [3, 4]   # memory_keep=2 took effect
+        assert mgr.steps() == [2, 4]          # persist_every=2 too
+    # The keywords of CheckpointManager(root, memory=...) build the same options.
+    with _manager(tmp_path / "b", job, memory_keep=2, persist_every=2, persist_on_failure=False) as mgr:
+        assert type(mgr) is TieredCheckpointManager and mgr.options == options
+    plain = omnickpt.CheckpointManager(str(tmp_path / "c"), memory=None, memory_keep=2)   # no memory: ignored
+    assert type(plain) is omnickpt.CheckpointManager and plain.memory_steps() == []
+    plain.close()
+    with pytest.raises(TypeError, match="memory_kep"):
+        omnickpt.CheckpointManager(str(tmp_path / "d"), memory_kep=2)
+
+
 # ---------------------------------------------------------------------- peer replicas
 ROWS = [(0, 3), (3, 5), (5, 8), (8, 9)]   # uneven row shards of a (9, 4) tensor on 4 ranks
 
@@ -367,7 +395,7 @@ def _shard_state(rank: int, step: int) -> dict:
 
 def _peer_scenarios(rank, world_size, root, job):
     import torch.distributed as dist
-    from omnickpt.tiers import step_dir
+    from omnickpt.steps import step_dir
     kw = dict(ranks_per_node=2, peer_replicas=True, on_close="keep_latest", persist_on_failure=False)
 
     def restore(expect_step):

@@ -1,0 +1,149 @@
+"""The one commit protocol through storage, used by every save that commits without a collective:
+the Checkpointer's async saves (api.py) and the memory tier's durable copies (tiers.py, tiered.py).
+
+Why through storage: a background thread that ran a collective on the training process group could
+interleave with the training loop's own collectives (docs/design.md, "Async commit through storage").
+So the ranks talk through small files under the checkpoint's control folder:
+
+    .omnickpt/<save id>/r<rank:05d>.json   a rank's record: {"rank": r, ...payload} once its part is
+                                           written, or {"rank": r, "error": msg, "error_class": cls}
+    .omnickpt/<save id>/status.json        the coordinator's verdict: {"state": "committed"} or
+                                           {"state": "failed", "error": msg, "class": cls}
+
+Every rank posts its record; the coordinator awaits all of them (ending early on a failure record,
+naming the missing ranks on timeout), commits, then sets the status; the other ranks await the
+status. An error crosses as (class name, message) and is raised again as the same class of the
+hierarchy (errors.rebuild_error), as the collectives of comm.py do. What a record carries beside
+"rank" and "error" is the caller's. All waits go through `poll`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Callable, TypeVar
+
+from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
+from omnickpt.format import CONTROL_DIR
+from omnickpt.storage import Storage
+
+T = TypeVar("T")
+POLL_FIRST = 0.001   # a commit usually follows within milliseconds: look again soon
+POLL_MAX = 0.05      # but never list a remote store more than 20 times a second
+_RECORD = re.compile(r"r(\d{5})\.json")   # temp files of a commit in progress do not match
+STATUS_NAME = "status.json"
+
+
+def poll(probe: Callable[[], T | None], timeout: float, on_timeout: Callable[[], BaseException]) -> T:
+    """Call `probe` until it returns something other than None, sleeping 1 ms, doubling up to
+    50 ms, between calls; past `timeout` seconds raise `on_timeout()`. `probe` is always called
+    at least once, and once more after the deadline, so a result that came at the last moment wins."""
+    deadline, delay = time.monotonic() + timeout, POLL_FIRST
+    while True:
+        expired = time.monotonic() > deadline
+        got = probe()
+        if got is not None:
+            return got
+        if expired:
+            raise on_timeout()
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_MAX)
+
+
+def record_path(save_id: str, rank: int) -> str:
+    return f"{CONTROL_DIR}/{save_id}/r{rank:05d}.json"
+
+
+def status_path(save_id: str) -> str:
+    return f"{CONTROL_DIR}/{save_id}/{STATUS_NAME}"
+
+
+def post_record(storage: Storage, save_id: str, rank: int, record: dict) -> None:
+    """Every rank, once its part of save `save_id` is written: its record (raises if it cannot be
+    written: the coordinator would otherwise wait for it until its timeout)."""
+    storage.commit(record_path(save_id, rank), json.dumps(dict(record, rank=rank), default=str).encode())
+
+
+def post_failure(storage: Storage, save_id: str, rank: int, error: BaseException | tuple[str, str]) -> None:
+    """A rank whose part failed: a failure record, so that the coordinator stops waiting now and
+    raises the same class. Best effort: the storage may be what failed."""
+    cls, msg = (type(error).__name__, str(error)) if isinstance(error, BaseException) else error
+    try:
+        post_record(storage, save_id, rank, {"error": msg, "error_class": cls})
+    except Exception:
+        pass
+
+
+def failure_of(record: dict) -> tuple[str, str] | None:
+    """(class name, message) of a failure record, None for a rank that succeeded."""
+    if not record.get("error"):
+        return None
+    return record.get("error_class") or CheckpointError.__name__, record["error"]
+
+
+def await_records(storage: Storage, save_id: str, world_size: int, timeout: float, what: str) -> list[dict]:
+    """Coordinator: every rank's record of `save_id`, by rank. A failure record ends the wait at
+    once: the status is set failed and the rank's own class raised (message: every failure seen).
+    After `timeout` s the status is set failed and CheckpointTimeoutError names the ranks whose
+    records never came. `what` names the save in messages ("save to PATH")."""
+    prefix = f"{CONTROL_DIR}/{save_id}"
+    seen: dict[int, dict] = {}
+
+    def probe() -> list[dict] | None:
+        for p in storage.list(prefix):
+            m = _RECORD.fullmatch(p.rsplit("/", 1)[-1])
+            if m and int(m.group(1)) not in seen and int(m.group(1)) < world_size:
+                seen[int(m.group(1))] = json.loads(storage.read_bytes(p))
+        failed = [f for r in sorted(seen) if (f := failure_of(seen[r])) is not None]
+        if failed:
+            msg = "; ".join(m for _, m in failed) + " (nothing was committed; the previous checkpoint is untouched)"
+            set_status(storage, save_id, (failed[0][0], msg))
+            raise rebuild_error(failed[0][0], f"{what} failed: {msg}")
+        return [seen[r] for r in range(world_size)] if len(seen) == world_size else None
+
+    def missing() -> BaseException:
+        gone = ", ".join(str(r) for r in range(world_size) if r not in seen)
+        msg = (f"rank(s) {gone} did not report their part within {timeout:.0f} s (dead, or still writing); nothing "
+               "was committed and the previous checkpoint is untouched")
+        set_status(storage, save_id, (CheckpointTimeoutError.__name__, msg))
+        return CheckpointTimeoutError(f"{what}: {msg}")
+
+    return poll(probe, timeout, missing)
+
+
+def set_status(storage: Storage, save_id: str, error: tuple[str, str] | None = None) -> None:
+    """Coordinator: the verdict on `save_id`. Committed (error None) raises if it cannot be
+    written, since the other ranks wait for it; failed ((class name, message)) is best effort:
+    the storage may be what failed, and the error being reported matters more."""
+    if error is None:
+        storage.commit(status_path(save_id), json.dumps({"state": "committed"}).encode())
+        return
+    try:
+        doc = {"state": "failed", "error": error[1], "class": error[0]}
+        storage.commit(status_path(save_id), json.dumps(doc, default=str).encode())
+    except Exception:
+        pass
+
+
+def read_status(storage: Storage, save_id: str) -> dict | None:
+    """The status of `save_id`, None while there is none."""
+    try:
+        return json.loads(storage.read_bytes(status_path(save_id)))
+    except FileNotFoundError:
+        return None
+
+
+def await_status(storage: Storage, save_id: str, timeout: float, what: str) -> dict:
+    """A rank other than the coordinator: wait for the verdict on `save_id`. Returns the status
+    once committed; raises the coordinator's error class (rebuilt) when it failed, and
+    CheckpointTimeoutError when no verdict came within `timeout` s."""
+    status = poll(lambda: read_status(storage, save_id), timeout, lambda: CheckpointTimeoutError(
+        f"{what}: the coordinator (rank 0) did not commit within {timeout:.0f} s"))
+    raise_failed(status, what)
+    return status
+
+
+def raise_failed(status: dict, what: str) -> None:
+    """Raise the error a failed status carries (as its class), nothing for a committed one."""
+    if status.get("state") != "committed":
+        raise rebuild_error(status.get("class") or CheckpointError.__name__, f"{what} failed: {status.get('error')}")
