@@ -1,24 +1,76 @@
 """Adapters: framework objects <-> tensor shards (boxes) and plain objects.
 
-One file per kind of value; `collect_save` / `collect_load` dispatch on the value's type.
+One class per kind of state entry (adapters/base.py `Adapter`), one file per framework. `ADAPTERS`
+is the registry: an ordered tuple, asked in order, the first adapter whose `claims` is true handles
+the entry, so the most specific come first and the generic one, which claims everything, last.
+Adding a framework is one file and one line here (docs/adapters.md). A caller may pass its own
+registry (`adapters=`) to every function below; there is no global registration.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import Any, Sequence
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard
-from omnickpt.adapters.dataloader import is_dataloader_state, load_dataloader, save_dataloader
-from omnickpt.adapters.generic import load_value, save_value
-from omnickpt.adapters.megatron import (is_megatron_module, load_megatron_model, load_megatron_optimizer, owns_optimizer,
-                                        save_megatron_model, save_megatron_optimizer)
-from omnickpt.adapters.module import detect_framework, load_module, save_module
-from omnickpt.adapters.optimizer import load_optimizer, save_optimizer
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard
+from omnickpt.adapters.dataloader import DataLoaderAdapter
+from omnickpt.adapters.fsdp1 import Fsdp1Adapter
+from omnickpt.adapters.generic import MIN_TENSOR_BYTES, GenericAdapter
+from omnickpt.adapters.megatron import MegatronModelAdapter, MegatronOptimizerAdapter
+from omnickpt.adapters.module import ModuleAdapter, detect_framework
+from omnickpt.adapters.optimizer import OptimizerAdapter
 from omnickpt.adapters.rng import RNGState
 from omnickpt.errors import UnsupportedError
 from omnickpt.format.objects import tensor_problem, utf8_problem
 
-FRAMEWORKS = ("plain", "ddp", "fsdp", "fsdp2", "dtensor", "megatron")
+ADAPTERS: tuple[Adapter, ...] = (
+    MegatronModelAdapter(),       # a MegatronModule is an nn.Module: before ModuleAdapter
+    MegatronOptimizerAdapter(),   # a torch optimizer over a Megatron model: before OptimizerAdapter
+    Fsdp1Adapter(),               # an FSDP1 module: before ModuleAdapter, whose state_dict() would all-gather
+    ModuleAdapter(),              # plain, DDP, FSDP2, TP, 2-D
+    OptimizerAdapter(),
+    DataLoaderAdapter(),          # these are Stateful too: before GenericAdapter
+    GenericAdapter(),             # claims everything: last
+)
+
+
+def as_registry(adapters: Sequence[Any]) -> tuple[Adapter, ...]:
+    """`adapters` checked as a registry (an ordered sequence of Adapter-like objects), as a tuple.
+    TypeError naming the entry that lacks a method. For options that take a registry, e.g.
+    `(MyAdapter(), *ADAPTERS)`: the new adapter is asked first."""
+    if isinstance(adapters, (str, bytes)) or not isinstance(adapters, Sequence) or not adapters:
+        raise TypeError(f"adapters must be a non-empty sequence of adapters such as (MyAdapter(), *ADAPTERS), got "
+                        f"{adapters!r:.80}")
+    for i, a in enumerate(adapters):
+        lacking = [m for m in ("claims", "save_items", "load_target") if not callable(getattr(a, m, None))]
+        if lacking:
+            raise TypeError(f"adapters[{i}] ({a!r:.80}) has no {', '.join(lacking)} method; an adapter implements "
+                            "omnickpt.adapters.base.Adapter (docs/adapters.md)")
+    return tuple(adapters)
+
+
+def adapter_for(key: str, value: Any, state: dict, adapters: Sequence[Adapter] = ADAPTERS) -> Adapter:
+    """The first adapter of `adapters` that claims entry `key`. UnsupportedError when none does (a
+    registry without a generic adapter last)."""
+    for adapter in adapters:
+        if adapter.claims(value, state):
+            return adapter
+    raise UnsupportedError(f"state entry {key!r} ({type(value).__name__}): no adapter claims it (the registry holds "
+                           f"{', '.join(_name(a) for a in adapters)}); add one that does, or end the registry with "
+                           "GenericAdapter()")
+
+
+def frameworks(adapters: Sequence[Adapter] = ADAPTERS) -> tuple[str, ...]:
+    """The values `framework=` accepts with this registry, in registry order."""
+    out: dict[str, None] = {}
+    for a in adapters:
+        out.update(dict.fromkeys(getattr(a, "frameworks", None) or {}))
+    return tuple(out)
+
+
+FRAMEWORKS = frameworks()
+
+
+def _name(adapter: Any) -> str:
+    return str(getattr(adapter, "name", None) or type(adapter).__name__)
 
 
 def _check_keys(state: dict) -> None:
@@ -61,65 +113,44 @@ def _check_loadable(targets: list[tuple[str, LoadTarget]]) -> None:
                 raise UnsupportedError(f"tensor {s.name!r} of the state to load {problem}")
 
 
-def _modules(state: dict) -> dict[str, nn.Module]:
-    return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-
-
-def collect_save(state: dict) -> list[tuple[str, SaveItems]]:
-    """What every entry of `state` saves, in state order. Raises UnsupportedError, naming the key or
-    tensor, for anything the checkpoint format cannot hold; nothing has been written then."""
+def collect_save(state: dict, adapters: Sequence[Adapter] = ADAPTERS) -> list[tuple[str, SaveItems]]:
+    """What every entry of `state` saves, in state order, each from the first adapter of `adapters`
+    that claims it. Raises UnsupportedError, naming the key or tensor, for anything the checkpoint
+    format cannot hold; nothing has been written then."""
     _check_keys(state)
-    modules = _modules(state)
-    out = []
-    for key, value in state.items():
-        if is_megatron_module(value):
-            out.append((key, save_megatron_model(key, value)))
-        elif owns_optimizer(value, state):
-            out.append((key, save_megatron_optimizer(key, value, state)))
-        elif isinstance(value, nn.Module):
-            out.append((key, save_module(key, value)))
-        elif isinstance(value, torch.optim.Optimizer):
-            out.append((key, save_optimizer(key, value, modules)))
-        elif is_dataloader_state(value):
-            out.append((key, save_dataloader(key, value)))
-        else:
-            out.append((key, save_value(key, value)))
+    out = [(key, adapter_for(key, value, state, adapters).save_items(key, value, state))
+           for key, value in state.items()]
     _check_saveable(out)
     return out
 
 
-def collect_load(state: dict) -> list[tuple[str, LoadTarget]]:
-    """Where every entry of `state` loads to, in state order. Raises UnsupportedError for a target
-    that cannot be loaded into (a module still on the meta device); nothing has been read then."""
+def collect_load(state: dict, adapters: Sequence[Adapter] = ADAPTERS) -> list[tuple[str, LoadTarget]]:
+    """Where every entry of `state` loads to, in state order, each from the first adapter of
+    `adapters` that claims it. Raises UnsupportedError for a target that cannot be loaded into (a
+    module still on the meta device); nothing has been read then."""
     _check_keys(state)
-    modules = _modules(state)
-    out = []
-    for key, value in state.items():
-        if is_megatron_module(value):
-            out.append((key, load_megatron_model(key, value)))
-        elif owns_optimizer(value, state):
-            out.append((key, load_megatron_optimizer(key, value, state)))
-        elif isinstance(value, nn.Module):
-            out.append((key, load_module(key, value)))
-        elif isinstance(value, torch.optim.Optimizer):
-            out.append((key, load_optimizer(key, value, modules)))
-        elif is_dataloader_state(value):
-            out.append((key, load_dataloader(key, value)))
-        else:
-            out.append((key, load_value(key, value, state)))
+    out = [(key, adapter_for(key, value, state, adapters).load_target(key, value, state))
+           for key, value in state.items()]
     _check_loadable(out)
     return out
 
 
-def check_framework(state: dict, framework: str | None) -> None:
-    """ByteCheckpoint-style `framework=`: optional, and checked against what the modules are."""
+def check_framework(state: dict, framework: str | None, adapters: Sequence[Adapter] = ADAPTERS) -> None:
+    """ByteCheckpoint-style `framework=`: optional, and checked against what each entry's adapter
+    detects (modules; other entries detect nothing and are not checked)."""
     if framework is None:
         return
-    if framework not in FRAMEWORKS:
-        raise UnsupportedError(f"framework={framework!r} is not one of {', '.join(FRAMEWORKS)}")
-    found = {k: "megatron" if is_megatron_module(m) else detect_framework(m) for k, m in _modules(state).items()}
-    compatible = {"fsdp2": {"fsdp2"}, "ddp": {"ddp"}, "fsdp": {"fsdp"}, "dtensor": {"dtensor", "fsdp2"},
-                  "plain": {"plain"}, "megatron": {"megatron"}}[framework]
+    _check_keys(state)
+    known = frameworks(adapters)
+    if framework not in known:
+        raise UnsupportedError(f"framework={framework!r} is not one of {', '.join(known)}")
+    compatible = {f for a in adapters for f in (getattr(a, "frameworks", None) or {}).get(framework, ())}
+    found = {}
+    for k, v in state.items():
+        detect = getattr(adapter_for(k, v, state, adapters), "detect", None)
+        detected = detect(v) if detect is not None else None
+        if detected is not None:
+            found[k] = detected
     wrong = {k: f for k, f in found.items() if f not in compatible}
     if wrong:
         raise UnsupportedError(
@@ -127,5 +158,7 @@ def check_framework(state: dict, framework: str | None) -> None:
             ", ".join(f"{k!r}: {f}" for k, f in wrong.items()) + "; omit framework= to detect it")
 
 
-__all__ = ["LoadTarget", "RNGState", "SaveItems", "TensorShard", "check_framework", "collect_load",
-           "collect_save", "detect_framework"]
+__all__ = ["ADAPTERS", "FRAMEWORKS", "MIN_TENSOR_BYTES", "Adapter", "DataLoaderAdapter", "Fsdp1Adapter",
+           "GenericAdapter", "LoadTarget", "MegatronModelAdapter", "MegatronOptimizerAdapter", "ModuleAdapter",
+           "OptimizerAdapter", "RNGState", "SaveItems", "TensorShard", "adapter_for", "as_registry",
+           "check_framework", "collect_load", "collect_save", "detect_framework", "frameworks"]

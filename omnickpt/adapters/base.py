@@ -4,11 +4,12 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from omnickpt.errors import UnsupportedError
+from omnickpt.format.manifest import dtype_from_name
 from omnickpt.format.objects import MAX_DEPTH, ShardRef
 from omnickpt.layout import Box
 from omnickpt.spec import ShardSpec
@@ -81,6 +82,46 @@ class LoadTarget:
     check: Callable[[dict[str, Any]], list[str]] | None = None
 
 
+class Adapter:
+    """One kind of state entry (a module of some framework, an optimizer, a dataloader, any other
+    value) turned into tensor shards and objects, both ways. The save and the load side of a kind
+    live side by side in one class, one file per framework (STYLE.md), and `adapters.ADAPTERS`
+    lists them in the order they are asked: the first whose `claims` is true handles the entry.
+
+    Every method is given the whole `state` dict besides the entry, because some kinds depend on
+    their neighbours (an optimizer names its state by the parameter names of the modules beside
+    it; a torch optimizer over a Megatron model is saved the Megatron way). Adapters are pure
+    translators: no I/O, no collectives.
+
+    `frameworks` maps each `framework=` value of save()/load() this adapter answers to onto the
+    frameworks it accepts as `detect()`ed from an entry ({"dtensor": {"dtensor", "fsdp2"}}: an
+    FSDP2 module passes framework="dtensor"). Subclasses need only set what differs.
+    """
+    name: str = "adapter"
+    frameworks: Mapping[str, frozenset[str]] = {}
+
+    def claims(self, value: Any, state: dict) -> bool:
+        """Whether this adapter handles `value` (an entry of `state`). Cheap and side-effect free:
+        it is asked for every entry of every save and load."""
+        raise NotImplementedError
+
+    def detect(self, value: Any) -> str | None:
+        """The parallel framework of a claimed value, checked against `framework=`; None: not
+        checked (optimizers, plain values)."""
+        return None
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        """What entry `key` saves: shards (no copies: views of the live tensors) and objects."""
+        raise NotImplementedError
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        """Where entry `key` loads to: destinations filled in place and the hooks that install the rest."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
 def is_dtensor(t: Any) -> bool:
     """A value that carries its own global layout: a DTensor or an explicit ShardSpec."""
     if isinstance(t, ShardSpec):
@@ -131,6 +172,15 @@ def dtensor_shards(name: str, t) -> list[TensorShard]:
     return [TensorShard(name, tuple(t.shape), t.dtype, box, local)]
 
 
+def empty_claim(name: str, entry) -> TensorShard:
+    """An empty box of checkpoint tensor `name` (its manifest `entry`): tells the loader the tensor is
+    accounted for on this rank although this rank reads none of it (another pipeline stage's, another
+    rank's per-rank value), so that a strict load does not call it unexpected."""
+    dtype = dtype_from_name(entry.dtype)
+    zeros = (0,) * len(entry.shape)
+    return TensorShard(name, tuple(entry.shape), dtype, Box(zeros, zeros), torch.empty(zeros, dtype=dtype))
+
+
 def full_shard(name: str, t: torch.Tensor) -> TensorShard:
     """A plain tensor that this rank holds entirely (a replica when other ranks hold it too)."""
     return TensorShard(name, tuple(t.shape), t.dtype, Box.full(t.shape), t)
@@ -140,22 +190,29 @@ def tensor_shards(name: str, t: torch.Tensor) -> list[TensorShard]:
     return dtensor_shards(name, t) if is_dtensor(t) else [full_shard(name, t)]
 
 
-def split_dtensors(value: Any, prefix: str, shards: list[TensorShard], depth: int = 0) -> Any:
-    """Replace each DTensor inside nested dicts/lists by a ShardRef, collecting its shards.
+def split_tensors(value: Any, prefix: str, shards: list[TensorShard], plain: Callable[[str, torch.Tensor], str | None]
+                  | None = None, depth: int = 0) -> Any:
+    """Replace each DTensor inside nested dicts/lists by a ShardRef, collecting its shards; also each
+    plain tensor for which `plain(path, tensor)` gives a name (saved whole under that name).
 
-    Plain tensors stay in the value (saved per rank with the object), since nothing says they
-    are the same on every rank. A value nested deeper than the object encoding allows is refused
-    here, before this walk could exhaust the stack.
+    Other plain tensors stay in the value (saved per rank with the object). A value nested deeper
+    than the object encoding allows is refused here, before this walk could exhaust the stack.
     """
     if is_dtensor(value):
         shards.extend(dtensor_shards(prefix, value))
         return ShardRef(getattr(value, "name", None) or prefix)
+    if plain is not None and isinstance(value, torch.Tensor):
+        name = plain(prefix, value)
+        if name is None:
+            return value
+        shards.append(full_shard(name, value.detach()))
+        return ShardRef(name)
     if isinstance(value, (dict, list, tuple)):
         _check_depth(prefix, depth)
     if isinstance(value, dict):
-        return {k: split_dtensors(v, f"{prefix}{SEP}{k}", shards, depth + 1) for k, v in value.items()}
+        return {k: split_tensors(v, f"{prefix}{SEP}{k}", shards, plain, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        out = [split_dtensors(v, f"{prefix}{SEP}{i}", shards, depth + 1) for i, v in enumerate(value)]
+        out = [split_tensors(v, f"{prefix}{SEP}{i}", shards, plain, depth + 1) for i, v in enumerate(value)]
         return type(value)(out) if isinstance(value, tuple) and type(value) is tuple else out
     return value
 
@@ -168,7 +225,7 @@ def _check_depth(name: str, depth: int) -> None:
 
 
 def restore_refs(value: Any, resolve: Callable[[str], Any]) -> Any:
-    """Inverse of split_dtensors: ShardRefs become the target's (now filled) tensors."""
+    """Inverse of split_tensors: ShardRefs become the target's (now filled) tensors."""
     if isinstance(value, ShardRef):
         return resolve(value.name)
     if isinstance(value, dict):
@@ -180,15 +237,20 @@ def restore_refs(value: Any, resolve: Callable[[str], Any]) -> Any:
     return value
 
 
-def collect_dtensors(value: Any, prefix: str, out: dict[str, Any], depth: int = 0) -> None:
-    """name -> DTensor for every DTensor nested in `value` (the load-side mirror of split_dtensors)."""
+def collect_tensors(value: Any, prefix: str, dtensors: dict[str, Any], plain: dict[str, torch.Tensor] | None = None,
+                    depth: int = 0) -> None:
+    """name -> DTensor for every DTensor nested in `value`, and path -> tensor for every plain
+    tensor into `plain` when given (the load-side mirror of split_tensors)."""
     if is_dtensor(value):
-        out[getattr(value, "name", None) or prefix] = value
+        dtensors[getattr(value, "name", None) or prefix] = value
+    elif isinstance(value, torch.Tensor):
+        if plain is not None:
+            plain[prefix] = value
     elif isinstance(value, dict):
         _check_depth(prefix, depth)
         for k, v in value.items():
-            collect_dtensors(v, f"{prefix}{SEP}{k}", out, depth + 1)
+            collect_tensors(v, f"{prefix}{SEP}{k}", dtensors, plain, depth + 1)
     elif isinstance(value, (list, tuple)):
         _check_depth(prefix, depth)
         for i, v in enumerate(value):
-            collect_dtensors(v, f"{prefix}{SEP}{i}", out, depth + 1)
+            collect_tensors(v, f"{prefix}{SEP}{i}", dtensors, plain, depth + 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from omnickpt.adapters.base import LoadTarget, SaveItems
+from omnickpt.adapters.base import Adapter, LoadTarget, SaveItems
 from omnickpt.data import DP_STATE_KEYS, check_dp_rank, is_dp_state, is_dp_stateful
 from omnickpt.errors import CheckpointError, UnsupportedError
 from omnickpt.format.objects import encode_object
@@ -30,8 +30,22 @@ def is_stateful_dataloader(value: Any) -> bool:
 
 
 def is_dataloader_state(value: Any) -> bool:
-    """Values this adapter handles (checked before the generic Stateful branch)."""
+    """Values this adapter handles (it comes before the generic adapter, which would take them as Stateful)."""
     return is_dp_stateful(value) or is_stateful_dataloader(value)
+
+
+class DataLoaderAdapter(Adapter):
+    """DataParallelStateful objects and torchdata StatefulDataLoaders: one object per rank, resharded on load."""
+    name = "dataloader"
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return is_dataloader_state(value)
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_dataloader(key, value)
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_dataloader(key, value)
 
 
 class StatefulDataLoaderState:

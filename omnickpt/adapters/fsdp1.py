@@ -21,8 +21,6 @@ the local shard's size so that a torch version that changes them fails loudly, n
 """
 from __future__ import annotations
 
-import sys
-
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -30,7 +28,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard, tensor_shards
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, tensor_shards
+from omnickpt.adapters.module import detect_framework, unwrap
 from omnickpt.errors import UnsupportedError
 from omnickpt.layout import Box, flat_range_to_boxes
 
@@ -45,11 +44,6 @@ def clean_fqn(name: str) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return clean_fqn(f"{prefix}.{name}" if prefix else name)
-
-
-def is_fsdp1(module: nn.Module) -> bool:
-    fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be wrapped by it
-    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules())
 
 
 @dataclass(frozen=True)
@@ -225,6 +219,24 @@ def load_fsdp1(key: str, root: nn.Module) -> LoadTarget:
 
     target.finish = finish
     return target
+
+
+class Fsdp1Adapter(Adapter):
+    """FullyShardedDataParallel modules; before the module adapter, whose state_dict() path would all-gather."""
+    name = "fsdp1"
+    frameworks = {"fsdp": frozenset({"fsdp"})}
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return isinstance(value, nn.Module) and detect_framework(value) == "fsdp"
+
+    def detect(self, value: Any) -> str | None:
+        return "fsdp"
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_fsdp1(key, unwrap(value))
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_fsdp1(key, unwrap(value))
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, empty_claim
 from omnickpt.errors import MismatchError, UnsupportedError
 from omnickpt.layout import Box, flat_range_to_boxes
 
@@ -83,6 +83,39 @@ def owns_optimizer(value: Any, state: dict) -> bool:
         return False
     owned = {id(p) for m in models.values() for p in m.parameters()}
     return any(id(p) in owned for g in value.param_groups for p in g["params"])
+
+
+class MegatronModelAdapter(Adapter):
+    """Megatron-core modules (MegatronModule with sharded_state_dict()); before the module adapter."""
+    name = "megatron"
+    frameworks = {"megatron": frozenset({"megatron"})}
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return is_megatron_module(value)
+
+    def detect(self, value: Any) -> str | None:
+        return "megatron"
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_megatron_model(key, value)
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_megatron_model(key, value)
+
+
+class MegatronOptimizerAdapter(Adapter):
+    """Megatron optimizers, and torch optimizers over a Megatron model's parameters (`owns_optimizer`);
+    before the torch optimizer adapter."""
+    name = "megatron-optimizer"
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return owns_optimizer(value, state)
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_megatron_optimizer(key, value, state)
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_megatron_optimizer(key, value, state)
 
 
 # ---------------------------------------------------------------------- sharded state dict walking
@@ -256,16 +289,6 @@ def _materialize(tree: Any, built: dict[int, Any], objects: dict[str, Any], pref
     return _map_tree(tree, leaf)
 
 
-def _empty_claim(name: str, entry) -> TensorShard:
-    """Tells the loader this tensor is accounted for here although this rank reads none of it."""
-    from omnickpt.format.manifest import dtype_from_name
-    dtype = dtype_from_name(entry.dtype)
-    if not entry.shape:
-        return TensorShard(name, (), dtype, Box((), ()), torch.empty((), dtype=dtype))
-    zeros = (0,) * len(entry.shape)
-    return TensorShard(name, tuple(entry.shape), dtype, Box(zeros, zeros), torch.empty(zeros, dtype=dtype))
-
-
 def _module_path(key: str) -> str:
     return key.rpartition(".")[0]
 
@@ -281,7 +304,7 @@ def _other_stage_claims(target: LoadTarget, manifest, local_keys: set[str], key_
             continue
         k = key_of(name)
         if k is not None and _module_path(k) not in local_paths:
-            target.shards.append(_empty_claim(name, entry))
+            target.shards.append(empty_claim(name, entry))
 
 
 def _pipeline_parallel(modules) -> bool:

@@ -2,7 +2,9 @@
 
 Uses the public state_dict()/load_state_dict() contract: FSDP2 and tensor-parallel modules
 already hand out DTensors whose boxes we read off, DDP and plain modules hand out whole tensors.
-FSDP1 modules go to adapters/fsdp1.py instead, since their state_dict() would all-gather.
+FSDP1 modules go to adapters/fsdp1.py instead (its adapter comes first in the registry), since
+their state_dict() would all-gather. This file also tells the parallel wrappers apart
+(`detect_framework`), for every module adapter and for `framework=`.
 """
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, is_dtensor, tensor_shards
-from omnickpt.adapters.fsdp1 import is_fsdp1, load_fsdp1, save_fsdp1
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, is_dtensor, tensor_shards
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -27,6 +28,11 @@ def unwrap(module: nn.Module) -> nn.Module:
             module = module._orig_mod
         else:
             return module
+
+
+def is_fsdp1(module: nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be wrapped by it
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules())
 
 
 def detect_framework(module: nn.Module) -> str:
@@ -47,10 +53,27 @@ def detect_framework(module: nn.Module) -> str:
     return "plain"
 
 
+class ModuleAdapter(Adapter):
+    """Any nn.Module the adapters before it in the registry left (plain, DDP, FSDP2, TP, 2-D)."""
+    name = "module"
+    frameworks = {"plain": frozenset({"plain"}), "ddp": frozenset({"ddp"}), "fsdp2": frozenset({"fsdp2"}),
+                  "dtensor": frozenset({"dtensor", "fsdp2"})}
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return isinstance(value, nn.Module)
+
+    def detect(self, value: Any) -> str | None:
+        return detect_framework(value)
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_module(key, value)
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_module(key, value)
+
+
 def save_module(key: str, module: nn.Module) -> SaveItems:
     framework = detect_framework(module)
-    if framework == "fsdp":
-        return save_fsdp1(key, unwrap(module))
     items = SaveItems(framework=framework)
     extra = {}
     placements: dict[Any, int] = {}
@@ -77,8 +100,6 @@ def save_module(key: str, module: nn.Module) -> SaveItems:
 
 def load_module(key: str, module: nn.Module) -> LoadTarget:
     framework = detect_framework(module)
-    if framework == "fsdp":
-        return load_fsdp1(key, unwrap(module))
     inner = unwrap(module)
     # keep_vars=True hands back the parameters and buffers themselves: filling them in place
     # loads the module with no second copy.

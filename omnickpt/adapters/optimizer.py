@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, LoadTarget, SaveItems, TensorShard, full_shard, tensor_shards
-from omnickpt.adapters.fsdp1 import FlatOptimParam, clean_fqn, is_fsdp1, optimizer_params
-from omnickpt.adapters.module import unwrap
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, full_shard, tensor_shards
+from omnickpt.adapters.fsdp1 import FlatOptimParam, clean_fqn, optimizer_params
+from omnickpt.adapters.module import is_fsdp1, unwrap
 from omnickpt.errors import CorruptCheckpointError, UnsupportedError
 
 
@@ -80,6 +80,25 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 
 def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class OptimizerAdapter(Adapter):
+    """torch.optim optimizers, their state named by the parameter names of the modules in the same state."""
+    name = "optimizer"
+
+    def claims(self, value: Any, state: dict) -> bool:
+        return isinstance(value, torch.optim.Optimizer)
+
+    def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
+        return save_optimizer(key, value, state_modules(state))
+
+    def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        return load_optimizer(key, value, state_modules(state))
+
+
+def state_modules(state: dict) -> dict[str, nn.Module]:
+    """The modules of a state, by state key: the names an optimizer's parameters take."""
+    return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
 
 
 def save_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> SaveItems:
