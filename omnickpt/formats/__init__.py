@@ -11,15 +11,14 @@ DCP saved); `bind_keys` renames them to the keys of the state being loaded when 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable
 
 from omnickpt.errors import CheckpointError, NotCommittedError
 from omnickpt.format import CONTROL_DIR, DATA_DIR, MANIFEST_NAME, Manifest
 from omnickpt.lease import OWNER_RECORD
+from omnickpt.steps import STEP_DIR, committed_steps, step_dir
 from omnickpt.storage import Storage
 
-STEP_DIR = re.compile(r"^global_step_(\d+)$")   # a CheckpointManager's (and ByteCheckpoint's) step folders
 
 # (format name, reader): a reader returns None when the folder is not in its format, and raises
 # CorruptCheckpointError / UnsafeCheckpointError when it is but cannot be trusted.
@@ -79,16 +78,6 @@ def read_manifest(storage: Storage) -> Manifest:
     return Manifest.decode(raw, where=storage.describe(MANIFEST_NAME))
 
 
-def committed_steps(storage: Storage) -> list[int]:
-    """The N of every `global_step_N` folder under `storage` that holds a committed checkpoint."""
-    out = []
-    for name in storage.children(""):
-        m = STEP_DIR.match(name)
-        if m and storage.exists(f"{name}/{MANIFEST_NAME}"):
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
 
 
 def _found(storage: Storage) -> str:
@@ -112,9 +101,9 @@ def _step_hint(storage: Storage) -> str:
     if not steps:
         return ""
     root = storage.describe().rstrip("/")
-    shown = ", ".join(f"global_step_{s}" for s in steps[-5:])
+    shown = ", ".join(step_dir(s) for s in steps[-5:])
     return (f"; it is a checkpoint root holding {len(steps)} committed step checkpoint(s) ({shown}): pass one of "
-            f"them, e.g. {root}/global_step_{steps[-1]}, or use CheckpointManager({root!r}).load_latest(state)")
+            f"them, e.g. {root}/{step_dir(steps[-1])}, or use CheckpointManager({root!r}).load_latest(state)")
 
 
 __all__ = ["STEP_DIR", "bind_keys", "committed_steps", "read_foreign", "read_manifest"]
