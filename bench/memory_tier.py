@@ -57,11 +57,12 @@ def trainer(root: str, job: str, mb: int, steps: int) -> None:
         out["durable_copy"].append(time.perf_counter() - t0)
         # the same state to disk, without a memory tier: async stall, then a synchronous save
         t0 = time.perf_counter()
-        hd = disk.save(step, state, async_save=True)
+        # a manager takes each step once: the async save as step 2N, the sync one as 2N + 1
+        hd = disk.save(2 * step, state, async_save=True)
         out["disk_async_stall"].append(time.perf_counter() - t0)
         hd.wait()
         t0 = time.perf_counter()
-        disk.save(step, state)
+        disk.save(2 * step + 1, state)
         out["disk_sync"].append(time.perf_counter() - t0)
     print(json.dumps(out), flush=True)
     print(f"committed {steps}", flush=True)
