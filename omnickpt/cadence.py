@@ -74,6 +74,9 @@ class Cadence:
         self._backgrounds: deque[float] = deque(maxlen=_WINDOW)
         self._in_flight_steps: deque[int] = deque(maxlen=_WINDOW)
         self._last_saved: int | None = None
+        # "auto" across ranks: each rank measures its own times, so the interval in force is one the
+        # ranks agreed on (the coordinator's, handed out at each save); None: this rank's own.
+        self.agreed: int | None = None
 
     # ------------------------------------------------------------------ measurements
     def observe_call(self, step: int, now: float, in_flight: bool) -> None:
@@ -130,10 +133,10 @@ class Cadence:
             return True
         if isinstance(self.every, int):
             return step % self.every == 0 or step - self._last_saved >= self.every
-        return step - self._last_saved >= self.interval()
+        return step - self._last_saved >= (self.agreed or self.interval())
 
     def report(self) -> CadenceReport:
-        interval, step = self.interval(), self.step_s
+        interval, step = (self.agreed or self.interval()) if self.every == "auto" else self.interval(), self.step_s
         stall = statistics.median(self._stalls) if self._stalls else None
         background = statistics.median(self._backgrounds) if self._backgrounds else None
         interference = self.interference_s() if stall is not None else None

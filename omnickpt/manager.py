@@ -10,6 +10,7 @@ unclosed manager at interpreter exit (what is in flight is finished, or the proc
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ import warnings
 import weakref
 from typing import Any
 
+from omnickpt.cadence import Cadence
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle, at_shutdown, default_checkpointer, step_number
 from omnickpt.errors import CheckpointError, NotCommittedError
 from omnickpt.format import MANIFEST_NAME
@@ -68,6 +70,7 @@ class CheckpointManager:
 
     def __init__(self, root: str, *, keep_last: int | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, read_only: bool = False, on_error: str = "raise", memory: None = None,
+                 every: int | str | None = None, max_overhead: float = 0.02, max_interval: int = 10_000,
                  **memory_options):
         # Memory options without `memory` were always accepted and ignored (call sites pass
         # memory=None to turn the tier off); anything else is a typo.
@@ -76,7 +79,8 @@ class CheckpointManager:
         unknown = sorted(set(memory_options) - from_tier)
         if unknown:
             raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {unknown}")
-        self._setup(root, keep_last, checkpointer, process_group, read_only, on_error)
+        self._setup(root, keep_last, checkpointer, process_group, read_only, on_error,
+                    cadence_of(every, max_overhead, max_interval))
         if not read_only:
             error = None
             if self._comm.is_coordinator:
@@ -88,7 +92,7 @@ class CheckpointManager:
             finish_at_exit(self)
 
     def _setup(self, root: str, keep_last: int | None, checkpointer: Checkpointer | None, process_group: Any,
-               read_only: bool, on_error: str) -> None:
+               read_only: bool, on_error: str, cadence: Cadence | None = None) -> None:
         """The state both managers share (called first by either __init__); no collective."""
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: must be 'raise' or 'warn'")
@@ -115,24 +119,93 @@ class CheckpointManager:
         self._lease_lock = threading.Lock()
         self._release = weakref.finalize(self, _release_all, self._leases)
         self._job_id = _process_id()   # the coordinator's: the one that holds the root
+        # every=: which save() calls save (omnickpt/cadence.py), and what it measures for "auto"
+        self._cadence = cadence
+        self._busy = False                        # a save of ours was in flight at the previous call
+        self._started: tuple[float, float] | None = None   # (start, stall) of the save in flight
+        self._flight_calls = 0                    # save() calls while it was in flight
 
     def step_path(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
 
-    def save(self, step: int, state: dict, *, async_save: bool = False, **kwargs):
+    def save(self, step: int, state: dict, *, async_save: bool = False, force: bool = False, **kwargs):
         """Save step `step` (a non-negative int, not one this manager saved before); first waits
         for the previous async save to commit. A save that fails removes its step folder (when it
         holds no committed checkpoint), so it is retried with the same step number.
+
+        With every= (an int, "auto" or "continuous"), call save() at every step: it saves only the
+        steps the cadence makes due and returns None for the others (force=True saves anyway).
+        "auto" measures the step time, the stall and the slowdown of steps with a save in flight,
+        and saves as often as keeps that cost under max_overhead (cadence_report() says what it
+        chose and measured); "continuous" saves as soon as the previous save is durable (one small
+        all-gather per call with several ranks, so that every rank decides alike).
 
         With on_error="warn" a failure of this save (or of the previous async one, found here) is
         logged and appended to `self.failures` instead of raised, and None is returned: training
         goes on, the next save tries again, `latest` still names the newest committed step.
         Misuse (a bad or repeated step number) is always raised."""
         step = step_number(step)
+        if self._cadence is not None:
+            if not self._due(step) and not force:
+                return None
+            if self._started is not None:
+                # The previous save is still in flight: this one would wait for it first anyway. Wait
+                # here, so that its time until durable is measured and this one's stall is its own.
+                self.wait()
+                self._observe_durable(time.monotonic())
+        t0 = time.monotonic()
         try:
-            return self._save(step, state, async_save, kwargs)
+            handle = self._save(step, state, async_save, kwargs)
         except CheckpointError as e:
             return self._failed(step, e)
+        if self._cadence is not None:
+            self._saved_by_cadence(step, t0, async_save)
+        return handle
+
+    # ------------------------------------------------------------------ cadence
+    def _in_flight(self) -> bool:
+        """Whether a save of ours is still on its way to being durable (this rank's view)."""
+        return self._pending is not None and not self._pending[1].done()
+
+    def _due(self, step: int) -> bool:
+        """Every rank, at each save() call with every=: measure, then decide alike on every rank."""
+        cadence, now, in_flight = self._cadence, time.monotonic(), self._in_flight()
+        cadence.observe_call(step, now, self._busy)
+        self._busy = in_flight
+        if in_flight:
+            self._flight_calls += 1
+        elif self._started is not None:   # the save in flight became durable since the last call
+            self._observe_durable(now)
+        if cadence.every == "continuous":
+            # each rank sees the previous save become durable at its own moment
+            if self._comm.world_size > 1:
+                in_flight = any(self._comm.all_gather_object(in_flight, step="cadence"))
+            return not in_flight
+        return cadence.due(step, in_flight)
+
+    def _observe_durable(self, now: float) -> None:
+        start, stall = self._started
+        self._cadence.observe_save(stall, now - start, self._flight_calls)
+        self._started = None
+
+    def _saved_by_cadence(self, step: int, t0: float, async_save: bool) -> None:
+        """Every rank, after a save started: its stall, and (auto) the interval until the next one,
+        the coordinator's measurement handed to every rank (one broadcast per save)."""
+        cadence, stall = self._cadence, time.monotonic() - t0
+        cadence.saved(step)
+        if async_save:
+            self._started, self._flight_calls = (t0, stall), 0
+        else:
+            cadence.observe_save(stall, 0.0, 0)
+        if cadence.every == "auto":
+            mine = cadence.interval()
+            cadence.agreed = (self._comm.broadcast_object(mine, step="cadence") if self._comm.world_size > 1
+                              else mine)
+
+    def cadence_report(self) -> dict | None:
+        """With every=: the mode, the interval in force, and what it was chosen from (seconds per
+        step, stall, background time, interference per save) with the overhead they give."""
+        return None if self._cadence is None else dataclasses.asdict(self._cadence.report())
 
     def _failed(self, step: int | None, error: CheckpointError):
         if self.on_error == "raise":
@@ -183,7 +256,10 @@ class CheckpointManager:
             return None
         step, handle = pending
         try:
-            return handle.wait()
+            report = handle.wait()
+            if self._cadence is not None and isinstance(report, dict):
+                report = {**report, "cadence": self.cadence_report()}
+            return report
         except Exception:
             self._saved.discard(step)
             self._discard_failed(step)
@@ -301,6 +377,10 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------- helpers
+def cadence_of(every: int | str | None, max_overhead: float, max_interval: int) -> Cadence | None:
+    return None if every is None else Cadence(every, max_overhead=max_overhead, max_interval=max_interval)
+
+
 def _release_all(leases: list[Lease]) -> None:
     for lease in leases:
         lease.release()

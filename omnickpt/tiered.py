@@ -28,7 +28,7 @@ from omnickpt.api import Checkpointer, LoadResult, SaveHandle
 from omnickpt.errors import (CheckpointError, CorruptCheckpointError, MismatchError, NotCommittedError,
                              UnsafeCheckpointError, error_class, rebuild_error)
 from omnickpt.lease import acquire
-from omnickpt.manager import CheckpointManager, finish_at_exit
+from omnickpt.manager import CheckpointManager, cadence_of, finish_at_exit
 from omnickpt.steps import committed_steps, step_dir
 from omnickpt.storage import storage_for
 from omnickpt.storage.shm import shm_dir
@@ -144,7 +144,8 @@ class TieredCheckpointManager(CheckpointManager):
 
     def __init__(self, root: str, *, memory: str | MemoryTierOptions, keep_last: int | None = None,
                  checkpointer: Checkpointer | None = None, process_group: Any = None, read_only: bool = False,
-                 on_error: str = "raise", **options):
+                 on_error: str = "raise", every: int | str | None = None, max_overhead: float = 0.02,
+                 max_interval: int = 10_000, **options):
         if isinstance(memory, MemoryTierOptions):
             if options:
                 raise TypeError(f"memory=MemoryTierOptions(...) carries the memory tier's options; do not also pass "
@@ -154,7 +155,8 @@ class TieredCheckpointManager(CheckpointManager):
         if read_only:
             raise ValueError("read_only=True cannot have a memory tier (it writes shared memory); list or load the "
                              "durable root with a read-only manager of its own")
-        self._setup(root, keep_last, checkpointer, process_group, read_only, on_error)
+        self._setup(root, keep_last, checkpointer, process_group, read_only, on_error,
+                    cadence_of(every, max_overhead, max_interval))
         self.options = memory
         comm, world = self._comm, self._comm.world_size
         rpn = memory.ranks_per_node or _local_world_size(world)
@@ -434,6 +436,10 @@ class TieredCheckpointManager(CheckpointManager):
         finally:
             with self._lock:
                 self._pinned.discard(step)
+
+    def _in_flight(self) -> bool:
+        """The cadence's view: a save is in flight until its memory commit and its durable copy are done."""
+        return any(f is not None and not f.done() for f in (self._mem_future, self._durable_future))
 
     def _wait(self) -> dict | None:
         """wait(): the memory lane (its commit in memory), then the durable lane it may have fed;

@@ -69,3 +69,69 @@ def test_bad_options_are_refused_by_name(kwargs):
     every = kwargs.pop("every")
     with pytest.raises(ValueError, match="every=|max_overhead=|max_interval="):
         Cadence(every, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the manager's every=
+def _train(mgr, steps, step_s, async_save=True):
+    import time
+
+    import torch
+    from torch import nn
+    model = nn.Linear(64, 64)
+    saved = []
+    for step in range(steps):
+        time.sleep(step_s)                       # the training step
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if mgr.save(step, {"model": model}, async_save=async_save) is not None:
+            saved.append(step)
+    mgr.wait()
+    return saved
+
+
+def test_a_fixed_cadence_saves_every_nth_call_and_force_saves_anyway(tmp_path):
+    import omnickpt
+    with omnickpt.CheckpointManager(str(tmp_path), every=3) as mgr:
+        saved = _train(mgr, 10, 0.0, async_save=False)
+        assert saved == [0, 3, 6, 9]
+        assert mgr.steps() == [0, 3, 6, 9]
+        from torch import nn
+        assert mgr.save(10, {"model": nn.Linear(2, 2)}, force=True) is not None
+        assert mgr.cadence_report()["interval"] == 3
+
+
+def test_auto_cadence_keeps_the_measured_overhead_under_the_target(tmp_path):
+    import omnickpt
+    with omnickpt.CheckpointManager(str(tmp_path), every="auto", max_overhead=0.05) as mgr:
+        saved = _train(mgr, 60, 0.01)
+        rep = mgr.cadence_report()
+    assert saved[0] == 0 and len(saved) < 60
+    assert rep["mode"] == "auto" and rep["interval"] > 1 and rep["step_s"] > 0.005
+    # the interval in force is the formula's on what was measured
+    want = choose_interval(rep["step_s"], rep["stall_s"], rep["background_s"], rep["interference_s"],
+                           max_overhead=0.05, max_interval=10_000)
+    assert rep["interval"] == want
+    assert rep["overhead"] <= 0.05 + 1e-9
+    gaps = {b - a for a, b in zip(saved[1:], saved[2:])}
+    assert min(gaps) > 1
+
+
+def test_continuous_saves_as_soon_as_the_previous_one_is_durable(tmp_path):
+    import omnickpt
+    with omnickpt.CheckpointManager(str(tmp_path), every="continuous", keep_last=2) as mgr:
+        saved = _train(mgr, 30, 0.005)
+    assert saved[0] == 0 and 1 < len(saved) <= 30
+
+
+def _two_rank_auto(rank, world, root):
+    import omnickpt
+    with omnickpt.CheckpointManager(root, every="auto", max_overhead=0.05) as mgr:
+        # rank 1's steps are slower: its own measurement would pick another interval
+        return _train(mgr, 40, 0.01 if rank == 0 else 0.03), mgr.cadence_report()
+
+
+def test_ranks_agree_on_the_auto_cadence(tmp_path):
+    from dist import run_ranks
+    (saved0, rep0), (saved1, rep1) = run_ranks(2, _two_rank_auto, str(tmp_path))
+    assert saved0 == saved1 and len(saved0) >= 2
+    assert rep0["interval"] == rep1["interval"]
