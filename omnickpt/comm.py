@@ -14,6 +14,18 @@ import torch.distributed as dist
 from omnickpt.errors import CheckpointTimeoutError, rebuild_error
 
 
+class _Solo:
+    """A process group of this process alone, whatever torch.distributed holds (no collective is
+    ever made): a save by one rank of a job whose other ranks are gone (checkpoint at failure,
+    omnickpt/manager.py), while the job's own process group is broken."""
+
+    def __repr__(self) -> str:
+        return "omnickpt.comm.SOLO"
+
+
+SOLO = _Solo()
+
+
 class Comm:
     """`timeout`: seconds every rank waits for the others at each collective. On gloo process
     groups each collective is preceded by `dist.monitored_barrier`, so a rank that died or never
@@ -21,8 +33,9 @@ class Comm:
     naming the missing ranks, instead of hanging for the process group's own timeout (30 min)."""
 
     def __init__(self, group: Any = None, timeout: float | None = None):
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group if group is not None else (dist.group.WORLD if self.distributed else None)
+        self.distributed = dist.is_available() and dist.is_initialized() and group is not SOLO
+        self.group = group if group is not None and group is not SOLO else (dist.group.WORLD if self.distributed
+                                                                               else None)
         if self.distributed:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)

@@ -10,7 +10,9 @@ unclosed manager at interpreter exit (what is in flight is finished, or the proc
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -88,7 +90,8 @@ class CheckpointManager:
                     self._hold_root()
                 except Exception as e:   # every rank must learn of it
                     error = e
-            self._agree(error, f"taking the checkpoint root {self.root}")
+            # the coordinator's process id names this run (the failure markers of guard())
+            self._run = self._agree(error, f"taking the checkpoint root {self.root}", self._job_id)[0]
             finish_at_exit(self)
 
     def _setup(self, root: str, keep_last: int | None, checkpointer: Checkpointer | None, process_group: Any,
@@ -124,6 +127,9 @@ class CheckpointManager:
         self._busy = False                        # a save of ours was in flight at the previous call
         self._started: tuple[float, float] | None = None   # (start, stall) of the save in flight
         self._flight_calls = 0                    # save() calls while it was in flight
+        self._last_step: int | None = None        # the newest step given to save(): guard()'s to save
+        self._run = self._job_id                  # agreed by the ranks in __init__ (several ranks)
+        self.failure_save: dict | None = None     # what guard() did when the job failed
 
     def step_path(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -145,6 +151,7 @@ class CheckpointManager:
         goes on, the next save tries again, `latest` still names the newest committed step.
         Misuse (a bad or repeated step number) is always raised."""
         step = step_number(step)
+        self._last_step = step
         if self._cadence is not None:
             if not self._due(step) and not force:
                 return None
@@ -161,6 +168,74 @@ class CheckpointManager:
         if self._cadence is not None:
             self._saved_by_cadence(step, t0, async_save)
         return handle
+
+    # ------------------------------------------------------------------ checkpoint at failure
+    @contextlib.contextmanager
+    def guard(self, state: dict, *, grace: float = 10.0):
+        """`with manager.guard(state):` around the training loop. When a rank fails inside it (an
+        exception, or SIGTERM turned into one), the ranks that still hold a complete replica of
+        `state` save it as step N, the last step given to save() (call save() every step, with
+        every=, to lose at most the step in progress), then every rank re-raises: the job ends as it
+        would have, with its newest state committed. DDP: the lowest surviving rank saves alone;
+        HSDP: the first shard group whose ranks all survive, over its own process group; FSDP or TP
+        over the whole job: no complete replica survives a rank's loss, nothing is saved and the
+        error log says so. Survivors wait up to `grace` seconds for every rank's marker (a rank
+        killed outright leaves none). `self.failure_save` says what happened (omnickpt/failure.py)."""
+        try:
+            yield self
+        except BaseException as e:
+            try:
+                self.failure_save = self._save_at_failure(state, e, grace)
+            except Exception as inner:   # the job's own failure is the one to raise
+                self.failure_save = {"saved": False, "reason": f"{type(inner).__name__}: {inner}"}
+                log.error("omnickpt: checkpoint at failure to %s failed: %s: %s", self.root, type(inner).__name__,
+                          inner, exc_info=True)
+            raise
+
+    def _save_at_failure(self, state: dict, error: BaseException, grace: float) -> dict:
+        from omnickpt.failure import MARKERS, await_markers, peer_failure, pick_savers, post_marker, replicas_of
+        rank, world, step = self._comm.rank, self._comm.world_size, self._last_step
+        survivor = world > 1 and peer_failure(error)
+        run = f"{self._run}-s{step}"
+        if world > 1:
+            post_marker(self._storage, run, rank, {"rank": rank, "survivor": survivor, "step": step,
+                                                   "error": f"{type(error).__name__}: {error}"[:500]})
+        if not survivor and world > 1:
+            return {"saved": False, "reason": "this rank failed; the surviving ranks save"}
+        if self._read_only or self._closed or step is None:
+            return {"saved": False, "reason": "no step to save (read-only, closed, or save() never called)"}
+        if step in self.steps():
+            return {"saved": False, "step": step, "reason": f"step {step}, the newest, is already committed"}
+        alive = [rank]
+        if world > 1:
+            # Ranks still blocked in a collective with this one would wait for the process group's
+            # own timeout: closing this rank's connections fails their collective now.
+            abort_groups(self._group, state)
+            markers = await_markers(self._storage, run, world, grace)
+            alive = sorted(r for r, m in markers.items() if m.get("survivor"))
+        savers = pick_savers(replicas_of(state, world), alive) if world > 1 else (rank,)
+        if savers is None:
+            log.error("omnickpt: rank(s) %s failed and no complete replica of the state survives (surviving ranks %s); "
+                      "nothing was saved at failure, step %s of %s stays the newest committed one",
+                      sorted(set(range(world)) - set(alive)), alive, self.latest_step(), self.root)
+            return {"saved": False, "alive": alive, "reason": "no complete replica survives"}
+        if rank not in savers:
+            return {"saved": False, "alive": alive, "savers": list(savers), "reason": "another replica saves"}
+        from omnickpt.comm import SOLO, Comm
+        group = SOLO if len(savers) == 1 else _shard_group(state)
+        # A survivor still blocked in a collective when the others decided can see more ranks alive
+        # and pick another group: the first group to claim the step saves it, the other stands down.
+        won = rank != savers[0] or self._storage.create_exclusive(
+            f"{MARKERS}/{run}/claim.json", json.dumps({"savers": list(savers)}).encode())
+        if len(savers) > 1:
+            won = Comm(group).broadcast_object(won, step="checkpoint at failure")
+        if not won:
+            return {"saved": False, "alive": alive, "reason": "another replica group saved this step"}
+        self._ckpt.save(self.step_path(step), state, process_group=group,
+                        on_commit=lambda _m: write_latest(self._storage, step)).wait()
+        log.warning("omnickpt: saved step %d to %s at failure (ranks %s, surviving ranks %s)", step,
+                    self.step_path(step), list(savers), alive)
+        return {"saved": True, "step": step, "path": self.step_path(step), "savers": list(savers), "alive": alive}
 
     # ------------------------------------------------------------------ cadence
     def _in_flight(self) -> bool:
@@ -330,10 +405,11 @@ class CheckpointManager:
                 self._root_lease = acquire(self._storage, self._job_id, what=f"checkpoint root {self.root}")
                 self._leases.append(self._root_lease)
 
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """Every rank: raise on all ranks (the same class) if any failed; leases taken go back first."""
+    def _agree(self, error: BaseException | None, what: str, payload: Any = None) -> list:
+        """Every rank: raise on all ranks (the same class) if any failed; leases taken go back first.
+        Returns every rank's payload."""
         try:
-            self._comm.settle(what, error)
+            return self._comm.settle(what, error, payload)
         except BaseException:
             self._release()
             self._closed = True
@@ -377,6 +453,47 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------- helpers
+def abort_groups(group: Any, state: dict) -> None:
+    """Abort (close the connections of) the job's process group and the state's device-mesh groups
+    that span replicas: a peer blocked in a collective with this rank then fails at once instead of
+    at the group's timeout. The groups along sharded mesh dimensions stay: a replica group that
+    survives whole saves over its own (the job's store may be gone with the failed ranks, so no
+    new group could be made). Only after a failure: aborted groups are unusable."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+    groups = [group if group is not None else dist.group.WORLD]
+    for p in _dtensors(state):
+        mesh = p.device_mesh
+        groups += [mesh.get_group(d) for d, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
+    seen: set[int] = set()
+    for g in groups:
+        if g is None or id(g) in seen:
+            continue
+        seen.add(id(g))
+        try:
+            g.abort()
+        except Exception as e:   # already broken, or a backend without abort: the grace period covers it
+            log.debug("omnickpt: aborting a process group after a failure: %s", e)
+
+
+def _dtensors(state: dict):
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    for value in state.values():
+        if isinstance(value, nn.Module):
+            yield from (p for p in value.parameters() if isinstance(p, DTensor))
+
+
+def _shard_group(state: dict) -> Any:
+    """This rank's process group along the sharded dimension of the state's HSDP mesh."""
+    from torch.distributed.tensor import Replicate
+    for p in _dtensors(state):
+        dims = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+        if len(dims) == 1:
+            return p.device_mesh.get_group(dims[0])
+    raise CheckpointError("checkpoint at failure: the state's replica group has no single sharded mesh dimension")
+
+
 def cadence_of(every: int | str | None, max_overhead: float, max_interval: int) -> Cadence | None:
     return None if every is None else Cadence(every, max_overhead=max_overhead, max_interval=max_interval)
 

@@ -177,6 +177,7 @@ class TieredCheckpointManager(CheckpointManager):
         self._machine_leader = False
         self._nodes_here: list[int] = []        # the nodes whose memory this machine holds
         self._join_machines()
+        self._run = self._run_id or self._run   # guard()'s failure markers: one name on every rank
         self._lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-memory")
         self._durable_lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-durable")
         self._copy_io = ThreadPoolExecutor(4, thread_name_prefix="omnickpt-copy")
