@@ -1,7 +1,12 @@
-"""Planning at scale: the pure global planner for 8192 simulated ranks, and a manifest of 10^6 boxes.
+"""Planning at scale: the pure global planner for 8192 simulated ranks, manifests of 10^6 boxes.
 
-    .venv/bin/python bench/plan_scale.py            # 8192 ranks x 500 tensors, 10^6 boxes
-    .venv/bin/python bench/plan_scale.py --quick    # 512 ranks, 10^5 boxes
+    .venv/bin/python bench/plan_scale.py            # 8192 ranks x 500 tensors, 10^6 and 4 x 10^6 boxes
+    .venv/bin/python bench/plan_scale.py --quick    # 512 ranks, 10^5 and 4 x 10^5 boxes
+
+Reports: the global plan (median of --runs), the bytes each rank sends to the coordinator and
+the coordinator receives (pickles of the records, as the gather sends them), the manifest's
+encode and decode and its size, and one rank's part of a 4x larger manifest: decoding only the
+tensors it loads (`Manifest.decode(names=)`) and planning its reads (`plan_reads`).
 
 No processes, no I/O: ShardRecords are built directly, the way the coordinator receives them.
 The simulated job is FSDP-like: each of the 500 tensors per rank is a row slab of a global
@@ -16,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import pickle
 import resource
 import statistics
 import sys
@@ -48,10 +54,20 @@ def make_records(ranks: int, tensors: int, replicated: int):
 
 
 def bench_planner(ranks: int, tensors: int, replicated: int, runs: int) -> dict:
-    from omnickpt.planner import build_global_plan
+    from omnickpt.planner import RecordBatch, build_global_plan
     t0 = time.perf_counter()
-    records = make_records(ranks, tensors, replicated)
+    lists = make_records(ranks, tensors, replicated)
     build_s = time.perf_counter() - t0
+    # What travels: each rank turns its records into a RecordBatch (timed on one rank), and ranks
+    # whose tensor table a lower rank sends leave it out (here: all but rank 0).
+    t0 = time.perf_counter()
+    records = [RecordBatch.from_records(r) for r in lists]
+    batch_s = (time.perf_counter() - t0) / ranks
+    sent_full = len(pickle.dumps(records[0]))
+    sent_lean = len(pickle.dumps(records[1].without_table()))
+    sent_objects = len(pickle.dumps(lists[1]))     # what a rank sent before (a list of ShardRecord)
+    records = [records[0]] + [b.without_table() for b in records[1:]]
+    del lists
     times, cpu = [], []
     plan = None
     for _ in range(runs):
@@ -69,27 +85,33 @@ def bench_planner(ranks: int, tensors: int, replicated: int, runs: int) -> dict:
     return {"ranks": ranks, "tensors_per_rank": tensors, "replicated_per_rank": replicated,
             "records": ranks * tensors, "writes": writes, "seconds_median": statistics.median(times),
             "seconds_all": times, "cpu_seconds_median": statistics.median(cpu), "make_records_s": build_s,
-            "bytes_per_rank_min": min(per_rank), "bytes_per_rank_max": max(per_rank)}
+            "bytes_per_rank_min": min(per_rank), "bytes_per_rank_max": max(per_rank),
+            "record_batch_s_per_rank": batch_s, "sent_bytes_rank0": sent_full, "sent_bytes_other_rank": sent_lean,
+            "coordinator_received_bytes": sent_full + (ranks - 1) * sent_lean,
+            "sent_bytes_per_rank_as_objects": sent_objects,
+            "coordinator_received_bytes_as_objects": ranks * sent_objects}
 
 
-def make_manifest(boxes: int, ranks: int):
-    from omnickpt.format import FileEntry, Manifest, SavedBox, TensorEntry
-    per_tensor = 1000
+def make_manifest(boxes: int, ranks: int, per_tensor: int = 1000):
+    """Tensors of `per_tensor` row slabs (4 x 1024 float32 each: one CRC), spread over `ranks`
+    files; built as columns, as a save builds it (no object per box)."""
+    import numpy as np
+    from omnickpt.format import ColumnTable, FileEntry, Manifest
     n_tensors = boxes // per_tensor
-    files = [FileEntry(f"data/0123456789abcdef-r{r:05d}.bin", r, 1 << 30) for r in range(ranks)]
-    tensors = {}
-    offs = [0] * ranks
-    for t in range(n_tensors):
-        rows = 4
-        shape = (per_tensor * rows, 1024)
-        bl = []
-        for b in range(per_tensor):
-            f = (t * per_tensor + b) % ranks
-            nbytes = rows * 1024 * 4
-            bl.append(SavedBox.stored((b * rows, 0), (rows, 1024), f, offs[f], nbytes,
-                                        [(t * 7919 + b * 104729) & 0xFFFFFFFF] * -(-nbytes // (1 << 20))))
-            offs[f] += nbytes
-        tensors[f"model/layers.{t}.mlp.fc1.weight"] = TensorEntry(shape, "float32", bl)
+    n = n_tensors * per_tensor
+    rows, nbytes = 4, 4 * 1024 * 4
+    i = np.arange(n, dtype=np.int64)
+    b = i % per_tensor
+    file = i % ranks
+    offset = (i // ranks) * nbytes
+    table = ColumnTable(offsets=np.stack([b * rows, np.zeros(n, dtype=np.int64)], 1),
+                        lengths=np.tile(np.array([[rows, 1024]], dtype=np.int64), (n, 1)), file=file, offset=offset,
+                        nbytes=np.full(n, nbytes, dtype=np.int64), sums_start=np.arange(n + 1, dtype=np.int64),
+                        crcs=((i * 2654435761) & 0xFFFFFFFF).astype(np.uint32))
+    files = [FileEntry(f"data/0123456789abcdef-r{r:05d}.bin", r, (n // ranks + 1) * nbytes) for r in range(ranks)]
+    tensors = {f"model/layers.{t}.mlp.fc1.weight": table.entry((per_tensor * rows, 1024), "float32",
+                                                                t * per_tensor, (t + 1) * per_tensor)
+               for t in range(n_tensors)}
     return Manifest(save_id="0123456789abcdef", world_size=ranks, files=files, tensors=tensors, objects={},
                     layout={"world_size": ranks}, tool_version="bench", created=time.time())
 
@@ -111,13 +133,45 @@ def bench_manifest(boxes: int, ranks: int, runs: int) -> dict:
         back = Manifest.decode(data)
         dec.append(time.perf_counter() - t0)
         dec_cpu.append(time.process_time() - c0)
-        assert sum(len(t.boxes) for t in back.tensors.values()) == boxes
+        assert sum(len(t.columns) for t in back.tensors.values()) == boxes
         del back
     return {"boxes": boxes, "files": ranks, "tensors": len(m.tensors), "bytes": len(data),
             "bytes_zlib1": len(zlib.compress(data, 1)), "encode_s_median": statistics.median(enc),
             "decode_s_median": statistics.median(dec), "encode_s_all": enc, "decode_s_all": dec,
             "encode_cpu_s_median": statistics.median(enc_cpu), "decode_cpu_s_median": statistics.median(dec_cpu),
             "make_manifest_s": build_s}
+
+
+def bench_slice(boxes: int, ranks: int, runs: int, stages: int = 8, dp: int = 64) -> dict:
+    """One rank of a job of `stages` pipeline stages x `dp` FSDP ranks loads a manifest of
+    `boxes` boxes: it decodes only its stage's tensors and plans reads of its row slab of each."""
+    from omnickpt.format import Manifest
+    from omnickpt.layout import Box
+    from omnickpt.planner import plan_reads
+    data = make_manifest(boxes, ranks).encode()
+    index = Manifest.decode(data, names=[])     # the tensor names and shapes come from the header
+    del index
+    names = [f"model/layers.{t}.mlp.fc1.weight" for t in range(boxes // 1000)]
+    mine = names[:len(names) // stages]
+    decode, plan, total = [], [], []
+    for _ in range(runs):
+        gc.collect()
+        t0 = time.perf_counter()
+        m = Manifest.decode(data, names=mine)
+        t1 = time.perf_counter()
+        wanted = []
+        for name in mine:
+            rows, cols = m.tensors[name].shape
+            k = rows // dp
+            wanted.append((name, Box((3 * k, 0), (k, cols))))    # FSDP rank 3 of its stage
+        items = plan_reads(m, wanted)
+        t2 = time.perf_counter()
+        decode.append(t1 - t0)
+        plan.append(t2 - t1)
+        total.append(t2 - t0)
+    return {"boxes": boxes, "manifest_bytes": len(data), "tensors_loaded": len(mine), "read_items": len(items),
+            "decode_s_median": statistics.median(decode), "plan_reads_s_median": statistics.median(plan),
+            "total_s_median": statistics.median(total), "total_s_all": total}
 
 
 def main(argv=None) -> int:
@@ -139,14 +193,23 @@ def main(argv=None) -> int:
           f"building the records took "
           f"{plan['make_records_s']:.1f} s); bytes per rank {plan['bytes_per_rank_min']:,}..{plan['bytes_per_rank_max']:,}",
           flush=True)
+    print(f"records sent: rank 0 {plan['sent_bytes_rank0']:,} bytes (with the tensor table), every other rank "
+          f"{plan['sent_bytes_other_rank']:,} bytes; the coordinator receives {plan['coordinator_received_bytes']:,} "
+          f"bytes (as ShardRecord lists: {plan['sent_bytes_per_rank_as_objects']:,} per rank, "
+          f"{plan['coordinator_received_bytes_as_objects']:,} in all)", flush=True)
     man = bench_manifest(boxes, min(ranks, 8192), args.runs)
     print(f"manifest: {man['boxes']:,} boxes in {man['tensors']:,} tensors, {man['files']:,} files -> "
-          f"{man['bytes'] / 1e6:.1f} MB JSON ({man['bytes_zlib1'] / 1e6:.1f} MB deflated); encode "
+          f"{man['bytes'] / 1e6:.1f} MB ({man['bytes_zlib1'] / 1e6:.1f} MB deflated); encode "
           f"{man['encode_s_median']:.2f} s ({man['encode_cpu_s_median']:.2f} s CPU), decode {man['decode_s_median']:.2f} s "
-          f"({man['decode_cpu_s_median']:.2f} s CPU) (medians of {args.runs})")
+          f"({man['decode_cpu_s_median']:.2f} s CPU) (medians of {args.runs})", flush=True)
+    sl = bench_slice(4 * boxes, min(ranks, 8192), args.runs)
+    print(f"one rank's slice: {sl['tensors_loaded']:,} of {sl['boxes'] // 1000:,} tensors of a {sl['boxes']:,}-box "
+          f"manifest ({sl['manifest_bytes'] / 1e6:.1f} MB) -> {sl['read_items']:,} read items: decode "
+          f"{sl['decode_s_median']:.3f} s + plan_reads {sl['plan_reads_s_median']:.3f} s = {sl['total_s_median']:.3f} s "
+          f"(medians of {args.runs})")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {peak:.0f} MB; load average {os.getloadavg()}")
-    out = {"plan": plan, "manifest": man, "peak_rss_mb": peak, "loadavg": os.getloadavg(),
+    out = {"plan": plan, "manifest": man, "slice": sl, "peak_rss_mb": peak, "loadavg": os.getloadavg(),
            "command": " ".join([os.path.relpath(sys.executable)] + sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -21,27 +20,28 @@ from typing import Any, Callable, Sequence
 import torch
 
 from omnickpt.version import __version__
+from omnickpt import commit
 from omnickpt.adapters import check_framework, collect_load, collect_save
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, snapshot
 from omnickpt.engine.load import LANDING_BYTES, check_file_sizes, forward_replicas, land_tensors
 from omnickpt.engine.save import data_file_name, staging_size
+from omnickpt.engine.staging import gc_paused
 from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, PlanError, UnsupportedError,
                              rebuild_error)
-from omnickpt.format import CONTROL_DIR, DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
+from omnickpt.format import DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
 from omnickpt.formats import bind_keys, read_manifest  # read_manifest: part of omnickpt's API
+from omnickpt.steps import step_dir, write_latest
 from omnickpt.lease import acquire
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
-from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structure_digest
+from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, plan_reads, structure_digest, write_items
 from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.planner.match import LoadMatch, Selection, match_targets
 from omnickpt.storage import Storage, storage_for
 
 REPORT_NAME = "report.json"
 log = logging.getLogger("omnickpt")
-_RECORD = re.compile(r"r\d{5}\.json")   # a rank's record; temp files of a commit in progress do not match
-_POLL_MAX = 0.05
 _PLAN_CACHE_SIZE = 4
 
 
@@ -116,21 +116,12 @@ class SaveHandle:
             return report
 
     def _status(self) -> dict | None:
-        try:
-            return json.loads(self._storage.read_bytes(f"{CONTROL_DIR}/{self.save_id}/status.json"))
-        except FileNotFoundError:
-            return None
+        return commit.read_status(self._storage, self.save_id)
 
     def _await_commit(self, limit: float) -> dict:
-        deadline, delay = time.monotonic() + limit, 0.001
-        while (status := self._status()) is None:
-            if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(
-                    f"save to {self.path}: the coordinator (rank 0) did not commit within {limit:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
-        if status["state"] != "committed":
-            raise rebuild_error(status.get("class", "CheckpointError"), f"save to {self.path} failed: {status.get('error')}")
+        """A rank other than the coordinator: the coordinator's verdict (its error class raised),
+        then the save's report."""
+        commit.await_status(self._storage, self.save_id, limit, f"save to {self.path}")
         try:
             return json.loads(self._storage.read_bytes(REPORT_NAME))
         except FileNotFoundError:
@@ -235,7 +226,7 @@ class Checkpointer:
         self._inflight[storage.describe()] = handle
         return handle
 
-    def _global_plan(self, comm: Comm, digests: tuple, records: list, path: str) -> tuple:
+    def _global_plan(self, comm: Comm, digests: tuple, records: list, path: str, tables=None) -> tuple:
         """Every rank: (this rank's writes, the size of its file's tensor region, the global plan
         (coordinator only)). A cached plan costs no collective; otherwise the coordinator plans
         from every rank's records (a gather) and hands each rank its part (a scatter).
@@ -248,31 +239,42 @@ class Checkpointer:
         if cached is not None:
             plans[digests] = plans.pop(digests)   # most recently used last
             return cached
-        all_records = comm.gather_object(records, step=f"save to {path}, step plan")
+        # Records travel as arrays. With every rank's table digest (RecordBatch.table_digest, from
+        # an all-gather already made), a rank whose tensor table (names, shapes, dtypes) a lower
+        # rank also holds leaves it out: the coordinator receives each table once (FSDP: one in all).
+        batch = RecordBatch.from_records(records)
+        if tables is not None and list(tables).index(batch.table_digest) != comm.rank:
+            batch = batch.without_table()
+        all_batches = comm.gather_object(batch, step=f"save to {path}, step plan")
         parts, plan = None, None
         if comm.is_coordinator:
             try:
-                plan = build_global_plan(all_records)
-                parts = [(plan.writes[r], plan.tensor_bytes[r], None) for r in range(comm.world_size)]
+                plan = build_global_plan(all_batches)
+                parts = [(plan.write_arrays(r), plan.tensor_bytes[r], None) for r in range(comm.world_size)]
             except CheckpointError as e:
                 parts = [(None, 0, (type(e).__name__, str(e)))] * comm.world_size
-        writes, tensor_region, err = comm.scatter_object(parts, step=f"save to {path}, step plan")
+        arrays, tensor_region, err = comm.scatter_object(parts, step=f"save to {path}, step plan")
         if err is not None:
             raise rebuild_error(err[0], f"planning the save to {path} failed: {err[1]}")
+        writes = write_items(*arrays)
         if len(plans) >= _PLAN_CACHE_SIZE:   # a few structures stay cached (e.g. model-only and full saves)
             plans.pop(next(iter(plans)))
         plans[digests] = (writes, tensor_region, plan)
         return writes, tensor_region, plan
 
+    @gc_paused()
     def _snapshot(self, collected: "_Collected", writes, tensor_region: int, timer: PhaseTimer, async_save: bool):
         """Every rank, no collective: the part of the save training waits for. Async: copy into a
-        staging buffer (pinned when the source is on a GPU); sync: reference the tensors."""
+        staging buffer (pinned when the source is on a GPU); sync: reference the tensors, small ones
+        packed into a pool buffer (given back after persisting)."""
         staging = None
         on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
         if async_save:
             staging = self._pool.acquire(staging_size(tensor_region, collected.blobs), pin=on_gpu)
         try:
-            return snapshot(collected.shards, writes, tensor_region, collected.blobs, staging, timer, cuda=on_gpu)
+            # A sync save packs its small tensors into a pool buffer (warm pages, given back after persisting).
+            return snapshot(collected.shards, writes, tensor_region, collected.blobs, staging, timer, cuda=on_gpu,
+                            pack=None if async_save else self._pool.acquire)
         except BaseException:
             if staging is not None:
                 self._pool.release(staging)
@@ -315,7 +317,7 @@ class Checkpointer:
             # Background commits talk through storage, not collectives: a collective from this
             # thread could interleave with the training loop's own collectives.
             try:
-                _put_json(storage, f"{CONTROL_DIR}/{save_id}/r{comm.rank:05d}.json", dataclasses.asdict(result))
+                commit.post_record(storage, save_id, comm.rank, dataclasses.asdict(result))
             except Exception as e:
                 # Report the first failure (the data write), not the record that could not follow it.
                 _discard_own_file(storage, save_id, comm.rank)
@@ -342,32 +344,20 @@ class Checkpointer:
         return report
 
     def _await_results(self, storage, save_id, world_size) -> list[RankResult]:
-        deadline, delay = time.monotonic() + self.timeout, 0.001
-        prefix = f"{CONTROL_DIR}/{save_id}"
-        while True:
-            names = [p for p in storage.list(prefix) if _RECORD.fullmatch(p.rsplit("/", 1)[-1])]
-            if len(names) >= world_size:
-                break
-            if time.monotonic() > deadline:
-                have = {int(p.rsplit("/r", 1)[-1].split(".")[0]) for p in names}
-                missing = sorted(set(range(world_size)) - have)
-                msg = (f"ranks {missing} did not finish writing within {self.timeout:.0f} s; nothing was "
-                       "committed and the previous checkpoint is untouched")
-                _try_put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg})
-                raise CheckpointTimeoutError(f"save to {storage.describe()}: {msg}")
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
-        results = []
-        for r in range(world_size):
-            d = json.loads(storage.read_bytes(f"{prefix}/r{r:05d}.json"))
-            results.append(RankResult(**d))
-        return results
+        """Coordinator of an async save: every rank's record (commit.await_records). A failure
+        record, or ranks missing at the timeout, fail the save at once: its files go (ranks still
+        writing leave theirs to the next save's garbage collection) and the error is raised."""
+        try:
+            records = commit.await_records(storage, save_id, world_size, self.timeout, f"save to {storage.describe()}")
+        except CheckpointError as e:   # the status is set already
+            self._fail(storage, save_id, type(e).__name__, str(e), status=False)
+            raise
+        return [RankResult(**d) for d in records]
 
     def _commit(self, storage, plan, results, save_id, layout, t_start, on_commit, lease=None):
         """Coordinator only. Returns (None or (error class name, message), report). A failed save's
         data files are removed (the previous checkpoint's are never touched: their names carry
         another save id); a committed one is never removed, even if a step after it failed."""
-        prefix = f"{CONTROL_DIR}/{save_id}"
         failed = [r for r in results if r.error]
         if failed:
             msg = "; ".join(r.error for r in failed) + " (nothing was committed; the previous checkpoint is untouched)"
@@ -392,7 +382,7 @@ class Checkpointer:
             report["path"] = storage.describe()
             report["save_id"] = save_id
             _put_json(storage, REPORT_NAME, report)
-            _put_json(storage, f"{prefix}/status.json", {"state": "committed"})
+            commit.set_status(storage, save_id)
             collect_garbage(storage, manifest)
             if on_commit is not None:
                 on_commit(manifest)
@@ -400,19 +390,18 @@ class Checkpointer:
         except Exception as e:
             if committed:
                 msg = (f"the checkpoint was committed, but rank 0 failed after the commit: {type(e).__name__}: {e}")
-                _try_put_json(storage, f"{prefix}/status.json", {"state": "failed", "error": msg,
-                                                                 "class": type(e).__name__})
+                commit.set_status(storage, save_id, (type(e).__name__, msg))
                 return (type(e).__name__, msg), None
             msg = (f"commit by rank 0 failed: {type(e).__name__}: {e} (nothing was committed; the previous checkpoint "
                    "is untouched)")
             return self._fail(storage, save_id, type(e).__name__, msg), None
 
     @staticmethod
-    def _fail(storage: Storage, save_id: str, error_class: str, msg: str) -> tuple[str, str]:
+    def _fail(storage: Storage, save_id: str, error_class: str, msg: str, status: bool = True) -> tuple[str, str]:
         """Coordinator: mark the save failed and remove its data files (all ranks' where the storage
         is shared), so that a full disk gets its space back and the next save can succeed."""
-        _try_put_json(storage, f"{CONTROL_DIR}/{save_id}/status.json",
-                      {"state": "failed", "error": msg, "class": error_class})
+        if status:
+            commit.set_status(storage, save_id, (error_class, msg))
         try:
             for rel in storage.list(DATA_DIR):
                 if rel.rsplit("/", 1)[-1].startswith(f"{save_id}-"):
@@ -482,6 +471,7 @@ class Checkpointer:
         return LoadResult(differences, report)
 
     @staticmethod
+    @gc_paused()
     def _plan_load(job: "_LoadJob", comm: Comm, transforms: Sequence[Any], select: Selection, cast: bool,
                    strict: bool) -> None:
         """Every rank, no collective: read the manifest, prepare and match the targets, plan the
@@ -518,11 +508,12 @@ class Checkpointer:
             job.items = []
 
     @staticmethod
+    @gc_paused()
     def _install(job: "_LoadJob", comm: Comm, landing, forward, mine: list[int]) -> None:
         """Every rank: copy the verified bytes into the targets, forward replicas (point-to-point
         with the ranks that wanted the same bytes), convert cast tensors, let each target finish
         (load_state_dict, plain values written back)."""
-        filled = landing.install()
+        filled = landing.install(compacts=forward is not None)
         if forward is not None:
             forward_replicas(job.items, dict(zip(mine, filled)), forward, job.boxes, job.match.dests, comm.rank,
                              comm.group, job.timer)
@@ -584,6 +575,7 @@ class _Collected:
     replicas: list = dataclasses.field(default_factory=list)
 
 
+@gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
 def _collect(state: dict, comm: Comm, timer: PhaseTimer, allow_pickle: bool, check_replicas: bool,
              role: str | None, metadata: dict | None) -> _Collected:
     """Every rank, no collective: adapters turn the state into shards and objects (no copies)."""
@@ -593,7 +585,8 @@ def _collect(state: dict, comm: Comm, timer: PhaseTimer, allow_pickle: bool, che
         # Empty local boxes (uneven shards) plan nothing; a tensor with no elements at all keeps
         # its one empty box, so that the manifest records it and a strict load finds it.
         out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]
-        out.records = [ShardRecord(s.name, s.shape, dtype_name(s.dtype), s.dtype.itemsize, s.box) for s in out.shards]
+        kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
+        out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
         out.digest = structure_digest(out.records)
         out.layout = {"world_size": comm.world_size,
                       "frameworks": {k: it.framework for k, it in collected if it.framework}}
@@ -728,15 +721,6 @@ def _put_json(storage: Storage, rel: str, doc: dict) -> None:
     storage.commit(rel, json.dumps(doc, default=str).encode())
 
 
-def _try_put_json(storage: Storage, rel: str, doc: dict) -> None:
-    """Best effort, for failure statuses: the storage may be what failed, and the error being
-    reported matters more than the status file."""
-    try:
-        _put_json(storage, rel, doc)
-    except Exception:
-        pass
-
-
 # ---------------------------------------------------------------------- module-level API
 @functools.lru_cache(maxsize=1)
 def default_checkpointer() -> Checkpointer:
@@ -765,11 +749,11 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     root = str(path)
     if global_steps is not None:
         step = step_number(global_steps)
-        path = f"{root.rstrip('/')}/global_step_{step}"
+        path = f"{root.rstrip('/')}/{step_dir(step)}"
 
     def on_commit(_manifest):
         if global_steps is not None:
-            storage_for(root).commit("latest", f"{step}\n".encode())
+            write_latest(storage_for(root), step)
         if callback is not None:
             callback()
 

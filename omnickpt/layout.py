@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Box:
@@ -51,6 +53,57 @@ def intersect(a: Box, b: Box) -> Box | None:
     return Box(tuple(offs), tuple(lens))
 
 
+class BoxIndex:
+    """The boxes of one tensor, indexed so that the ones overlapping a query box are found without
+    scanning them all: sorted by their start along the first dimension, a query looks only at the
+    boxes that start less than the longest box's length before its own start, and intersects those
+    with numpy, all dimensions at once. Boxes that cut a tensor into row slabs or a grid (any
+    FSDP/TP layout) give each query only its neighbours.
+
+    `offsets` and `lengths` are [n, ndim] integer arrays (box i is row i)."""
+
+    def __init__(self, offsets: np.ndarray, lengths: np.ndarray):
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.ndim = offsets.shape[1]
+        if self.ndim == 0 or not len(offsets):
+            self._order = np.arange(len(offsets))
+            self._starts = np.zeros(len(offsets), dtype=np.int64)
+            self._span = 0
+        else:
+            self._order = np.argsort(offsets[:, 0], kind="stable")
+            self._starts = offsets[self._order, 0]
+            self._span = int(lengths[:, 0].max())
+        self._lo = offsets[self._order]
+        self._hi = self._lo + lengths[self._order]
+
+    @classmethod
+    def of(cls, boxes: Sequence["Box"], ndim: int) -> "BoxIndex":
+        n = len(boxes)
+        offs = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(n, ndim)
+        lens = np.array([b.lengths for b in boxes], dtype=np.int64).reshape(n, ndim)
+        return cls(offs, lens)
+
+    def overlapping(self, box: "Box") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(indices of the boxes sharing at least one element with `box`, ascending; the
+        intersections' offsets [k, ndim]; their lengths [k, ndim])."""
+        if self.ndim == 0:
+            idx = np.arange(len(self._order)) if box.numel else np.zeros(0, dtype=np.int64)
+            empty = np.zeros((len(idx), 0), dtype=np.int64)
+            return idx, empty, empty
+        q_lo = np.asarray(box.offsets, dtype=np.int64)
+        q_hi = q_lo + np.asarray(box.lengths, dtype=np.int64)
+        a = int(np.searchsorted(self._starts, q_lo[0] - self._span, side="right"))
+        b = int(np.searchsorted(self._starts, q_hi[0], side="left"))
+        lo = np.maximum(self._lo[a:b], q_lo)
+        hi = np.minimum(self._hi[a:b], q_hi)
+        keep = np.flatnonzero((hi > lo).all(axis=1))
+        idx = self._order[a:b][keep]
+        lo, hi = lo[keep], hi[keep]
+        order = np.argsort(idx, kind="stable")
+        return idx[order], lo[order], (hi - lo)[order]
+
+
 def relative(inner: Box, outer: Box) -> Box:
     """`inner` expressed in the local coordinates of `outer` (which must contain it)."""
     return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets)), inner.lengths)
@@ -62,6 +115,25 @@ def row_major_strides(lengths: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= n
     return tuple(reversed(strides))
+
+
+def contiguous_start(inner: Box, outer: Box) -> int | None:
+    """The row-major index, within `outer`, of the first element of `inner` (a non-empty box
+    inside it, both in global coordinates) when `inner` is one contiguous run of the row-major
+    `outer`; None when it is several runs."""
+    lens, outer_lens = inner.lengths, outer.lengths
+    k = len(outer_lens)
+    while k > 0 and lens[k - 1] == outer_lens[k - 1]:
+        k -= 1
+    # Dims from k on are whole; dim k-1 is a stretch; every dim before it must be a single index.
+    for d in range(k - 1):
+        if lens[d] != 1:
+            return None
+    first, acc = 0, 1
+    for d in range(len(outer_lens) - 1, -1, -1):
+        first += (inner.offsets[d] - outer.offsets[d]) * acc
+        acc *= outer_lens[d]
+    return first
 
 
 def element_runs(sub: Box, outer_lengths: Sequence[int]) -> tuple[int, int, Iterator[int]]:

@@ -6,6 +6,8 @@ hostile manifests do it.
 from __future__ import annotations
 
 import json
+
+from omnickpt.format import manifest_document
 from fractions import Fraction
 import os
 import resource
@@ -39,8 +41,8 @@ def _same(module: nn.Module, values: dict[str, torch.Tensor]) -> bool:
 
 
 def _manifest(path) -> dict:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        return manifest_document(f.read())
 
 
 def _box_location(path, tensor: str) -> tuple[str, int, int]:

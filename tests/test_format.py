@@ -5,6 +5,7 @@ import collections
 import copy
 import dataclasses
 import json
+import math
 import random
 
 import numpy as np
@@ -13,8 +14,10 @@ import torch
 
 from omnickpt.adapters.rng import RNGState
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
-from omnickpt.format import (FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, SavedBox, ShardRef, TensorEntry, checksum,
+from omnickpt.format import (CHUNK_BYTES, FORMAT_VERSION, MAGIC, ColumnTable, Sums, FileEntry, Manifest, ObjectEntry, SavedBox, ShardRef, TensorEntry, checksum,
                              decode_object, dtype_from_name, dtype_name, encode_object)
+from omnickpt.format.checksum import checksum as crc32c_of
+from omnickpt.format.manifest import _PRELUDE, WindowBox
 from omnickpt.format.objects import _NDARRAY, _PICKLE
 
 import msgpack
@@ -41,17 +44,26 @@ def _manifest() -> Manifest:
 def test_manifest_round_trip_is_exact():
     m = _manifest()
     raw = m.encode()
+    assert raw[:8] == MAGIC and FORMAT_VERSION == 3
     back = Manifest.decode(raw)
     assert back == m
-    # Plain JSON: any tool can read it, nothing needs to be executed.
-    doc = json.loads(raw)
-    assert doc["format"] == "omnickpt" and doc["version"] == FORMAT_VERSION and doc["checksum"] == "crc32c"
     assert back.object_for_rank("rng", 1).checksum == 10
     assert back.object_for_rank("rng", 5).ranks == [0]     # a rank that did not save gets rank 0's value
+    c = back.tensors["model/w"].columns
+    assert c.offsets.tolist() == [[0, 0], [2, 0]] and c.nbytes.tolist() == [48, 48] and c.crcs.tolist() == [123, 456]
+
+
+def test_version_2_json_manifests_still_round_trip():
+    m = dataclasses.replace(_manifest(), version=2)
+    raw = m.encode()
+    doc = json.loads(raw)   # plain JSON: any tool can read it, nothing needs to be executed
+    assert doc["format"] == "omnickpt" and doc["version"] == 2 and doc["checksum"] == "crc32c"
+    back = Manifest.decode(raw)
+    assert back == m and back.version == 2
 
 
 def _doc() -> dict:
-    return json.loads(_manifest().encode())
+    return json.loads(dataclasses.replace(_manifest(), version=2).encode())
 
 
 def _decode(doc) -> Manifest:
@@ -61,6 +73,7 @@ def _decode(doc) -> Manifest:
 MALFORMED = {
     "wrong format name": (lambda d: d.update(format="safetensors"), "not an omnickpt manifest"),
     "newer version": (lambda d: d.update(version=FORMAT_VERSION + 1), "upgrade omnickpt"),
+    "version 3 as JSON": (lambda d: d.update(version=3), "must be binary"),
     "missing files": (lambda d: d.pop("files"), "malformed manifest"),
     "box outside shape": (lambda d: d["tensors"]["model/w"]["boxes"][1].__setitem__(0, [3, 0]), "outside its shape"),
     "box of wrong rank": (lambda d: d["tensors"]["model/w"]["boxes"][0].__setitem__(0, [0]), "outside its shape"),
@@ -110,6 +123,187 @@ def test_ordinary_data_file_paths_are_accepted(path):
     doc = _doc()
     doc["files"][1]["path"] = path
     assert _decode(doc).files[1].path == path
+
+
+def test_version_1_json_manifests_still_decode_with_one_crc_per_box():
+    doc = _doc()
+    doc["version"] = 1
+    del doc["chunk_bytes"]
+    for t in doc["tensors"].values():
+        for b in t["boxes"]:
+            b[5] = b[5][0]     # version 1: one CRC of the whole box
+    m = _decode(doc)
+    box = m.tensors["model/w"].boxes[1]
+    assert m.version == 1 and box.checksum == 456 and box.sums.size == 48
+    c = m.tensors["model/w"].columns
+    assert c.crcs.tolist() == [123, 456] and c.sums(0) == m.tensors["model/w"].boxes[0].sums and c.sums(1) == box.sums
+
+
+# Version 3: a prelude (magic, version, header bytes, array bytes, crc32c), the JSON header, the arrays.
+def _v3_split(raw: bytes):
+    _, version, head_len, _, _, _ = _PRELUDE.unpack_from(raw)
+    head = json.loads(raw[_PRELUDE.size:_PRELUDE.size + head_len])
+    arrays = {k: np.frombuffer(raw, dtype=spec["dtype"], count=spec["count"],
+                               offset=_PRELUDE.size + head_len + spec["offset"]).copy()
+              for k, spec in head["arrays"].items()}
+    return version, head, arrays
+
+
+def _v3_pack(version, head, arrays, reseal=True) -> bytes:
+    """A hostile writer: any header and arrays, with a checksum that matches them."""
+    blobs, pos = [], 0
+    override = head.pop("_override", None)
+    for k, a in arrays.items():
+        if k in head["arrays"]:
+            head["arrays"][k].update(dtype=a.dtype.str, count=int(a.size), offset=pos)
+        blob = a.tobytes() + bytes(-a.nbytes % 8)
+        blobs.append(blob)
+        pos += len(blob)
+    if override:
+        head["arrays"][override[0]].update(override[1])
+    h = json.dumps(head).encode()
+    h += b" " * (-(len(h) + _PRELUDE.size) % 8)
+    body = h + b"".join(blobs)
+    return _PRELUDE.pack(MAGIC, version, len(h), pos, crc32c_of(body) if reseal else 0, 0) + body
+
+
+def test_v3_is_a_compact_binary_header_plus_columns():
+    raw = _manifest().encode()
+    version, head, arrays = _v3_split(raw)
+    assert version == 3 and head["version"] == 3 and head["format"] == "omnickpt"
+    assert head["tensors"]["model/w"] == {"shape": [4, 6], "dtype": "float32", "boxes": 2, "chunks": 2}
+    assert arrays["offsets"].tolist() == [0, 0, 2, 0, 0] and arrays["crcs"].tolist() == [123, 456, 7, 8]
+    assert arrays["offsets"].dtype == np.uint8          # narrow integers where they fit
+    assert Manifest.decode(_v3_pack(version, head, arrays)) == _manifest()
+
+
+def _hostile(edit):
+    version, head, arrays = _v3_split(_manifest().encode())
+    out = edit(head, arrays)
+    version = out if type(out) is int else version
+    return _v3_pack(version, head, arrays)
+
+
+def _set(arrays, key, i, value):
+    arrays[key] = arrays[key].astype("<i8")
+    arrays[key][i] = value
+
+
+HOSTILE_V3 = {
+    "box outside shape": (lambda h, a: _set(a, "offsets", 2, 3), "outside its shape"),
+    "boxes overlap": (lambda h, a: _set(a, "offsets", 2, 1), "overlap"),
+    "negative offset": (lambda h, a: _set(a, "offset", 0, -8), "outside the 2 data files"),
+    "file index": (lambda h, a: _set(a, "file", 1, 2), "outside the 2 data files"),
+    "offset that overflows": (lambda h, a: _set(a, "offset", 1, (1 << 63) - 8), "outside the 2 data files"),
+    "box that overflows": (lambda h, a: _set(a, "offsets", 2, (1 << 63) - 1), "outside its shape"),
+    "huge shape": (lambda h, a: h["tensors"]["model/w"].update(shape=[1 << 31, 1 << 31]), "impossible shape"),
+    "beyond its file": (lambda h, a: _set(a, "offset", 1, 2040), "outside the 2 data files"),
+    "more boxes than rows": (lambda h, a: h["tensors"]["model/w"].update(boxes=3), "tensor index needs"),
+    "chunk count": (lambda h, a: (h["tensors"]["model/w"].update(chunks=3), a.update(
+        crcs=np.array([1, 2, 3, 4, 5], dtype="<u4")))[0], "declares 3 chunk checksums"),
+    "array dtype": (lambda h, a: a.update(file=a["file"].astype("<f8")), "no valid description"),
+    "array outside": (lambda h, a: h.update(_override=("crcs", {"offset": 1 << 40})), "lies outside"),
+    "crcs not u4": (lambda h, a: a.update(crcs=a["crcs"].astype("<i8")), "no valid description"),
+    "missing array": (lambda h, a: h["arrays"].pop("lengths"), "no valid description"),
+    "tensor index": (lambda h, a: h["tensors"].update({"model/b": [6]}), "no valid index record"),
+    "newer version": (lambda h, a: FORMAT_VERSION + 1, "upgrade omnickpt"),
+    "header says v2": (lambda h, a: h.update(version=2), "version-2 manifest must be JSON"),
+    "unsafe path": (lambda h, a: h["files"][0].update(path="../x.bin"), "escapes"),
+    "unknown dtype": (lambda h, a: h["tensors"]["model/b"].update(dtype="object"), "unknown dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_V3))
+def test_v3_hostile_fields_are_refused_naming_the_file(case):
+    edit, reason = HOSTILE_V3[case]
+    raw = _hostile(edit)
+    error = UnsafeCheckpointError if case == "unsafe path" else CorruptCheckpointError
+    with pytest.raises(error, match=reason) as info:
+        Manifest.decode(raw, where="ckpt/manifest.json")
+    assert "ckpt/manifest.json" in str(info.value)
+
+
+@pytest.mark.parametrize("cut", [0.0, 0.1, 0.5, 0.9, 0.999])
+def test_v3_truncated_anywhere_is_corrupt(cut):
+    raw = _manifest().encode()
+    n = max(len(MAGIC), int(len(raw) * cut))
+    with pytest.raises(CorruptCheckpointError, match="ckpt/manifest.json.*(truncated|too short)"):
+        Manifest.decode(raw[:n], where="ckpt/manifest.json")
+
+
+def test_v3_any_flipped_byte_is_caught_by_its_checksum():
+    raw = bytearray(_manifest().encode())
+    for i in range(_PRELUDE.size, len(raw), 7):
+        bad = bytearray(raw)
+        bad[i] ^= 0x10
+        with pytest.raises(CorruptCheckpointError, match="checksum does not match"):
+            Manifest.decode(bytes(bad), where="ckpt/manifest.json")
+
+
+def test_v3_decodes_only_the_named_tensors_and_makes_boxes_on_first_use():
+    # model/w's rows are damaged: a reader that wants only model/b never looks at them.
+    raw = _hostile(lambda h, a: _set(a, "file", 1, 2))
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.decode(raw)
+    m = Manifest.decode(raw, names=["model/b", "optim/state/w/step", "not/there"])
+    assert sorted(m.tensors) == ["model/b", "optim/state/w/step"]
+    entry = m.tensors["model/b"]
+    assert entry._boxes is None and entry._load is not None      # nothing made per box yet
+    assert entry.box_count == 1 and entry._boxes is None
+    assert entry.boxes == _manifest().tensors["model/b"].boxes
+    whole = Manifest.decode(_manifest().encode())
+    assert all(t._boxes is None for t in whole.tensors.values())
+    assert whole.tensors["model/w"].nbytes == 96 and whole.tensors["model/w"]._boxes is None
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "shuffled", "grid"])
+def test_v3_checks_overlaps_of_many_boxes_in_bulk(layout):
+    # 96 boxes of a (96, 96) tensor: disjoint they decode, and moving one box by one element
+    # (onto its neighbour) is refused whichever path (bulk or per tensor) checks the layout.
+    n = 96
+    if layout == "grid":
+        boxes = [((8 * i, 8 * j), (8, 8)) for i in range(12) for j in range(8)]
+        shape = (96, 64)
+    else:
+        boxes = [((i, 0), (1, n)) if layout != "columns" else ((0, i), (n, 1)) for i in range(n)]
+        shape = (n, n)
+        if layout == "shuffled":
+            random.Random(3).shuffle(boxes)
+    def manifest(bxs):
+        sb = [SavedBox.stored(o, ln, 0, 4096 * k, math.prod(ln) * 4, [k]) for k, (o, ln) in enumerate(bxs)]
+        return Manifest("x", 1, [FileEntry("data/x.bin", 0, 4096 * len(bxs))], {"t": TensorEntry(shape, "float32", sb)},
+                        {})
+    assert Manifest.decode(manifest(boxes).encode()).tensors["t"].box_count == len(boxes)
+    (o0, o1), ln = boxes[5]
+    boxes[5] = ((o0, o1 + 1) if layout == "columns" else (o0 + 1, o1), ln)
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        Manifest.decode(manifest(boxes).encode())
+
+
+def test_entries_built_from_boxes_and_from_columns_agree():
+    for name, t in _manifest().tensors.items():
+        c = t.columns
+        back = TensorEntry(t.shape, t.dtype, columns=c)
+        assert back == t and back.boxes == t.boxes and back.nbytes == t.nbytes, name
+    # A transform's derived box (a window of a stored box) has no row: the entry stays object-based.
+    w = WindowBox((0, 0), (2, 3), 0, 0, 48, Sums(0, 48, CHUNK_BYTES, (1,)), base_lengths=(2, 6), base_start=(0, 0))
+    assert TensorEntry((2, 3), "float32", [w]).columns is None
+
+
+def test_a_million_boxes_round_trip_in_columns():
+    n = 1_000_000
+    rows = np.arange(n, dtype=np.int64)
+    table = ColumnTable(offsets=np.stack([rows, np.zeros(n, dtype=np.int64)], 1),
+                        lengths=np.ones((n, 2), dtype=np.int64), file=rows % 3, offset=(rows // 3) * 64,
+                        nbytes=np.full(n, 4, dtype=np.int64), sums_start=np.arange(n + 1, dtype=np.int64),
+                        crcs=(rows * 2654435761 % (1 << 32)).astype(np.uint32))
+    files = [FileEntry(f"data/x-r{r:05d}.bin", r, (n // 3 + 1) * 64) for r in range(3)]
+    m = Manifest(save_id="x", world_size=3, files=files, tensors={"t": table.entry((n, 1), "float32", 0, n)},
+                 objects={})
+    back = Manifest.decode(m.encode())
+    c = back.tensors["t"].columns
+    assert len(c) == n and (c.offsets[:, 0] == rows).all() and (c.crcs == table.crcs).all()
+    assert (c.offset == table.offset).all() and (c.file == table.file).all()
 
 
 def test_every_supported_dtype_has_a_stable_name():

@@ -7,6 +7,8 @@ Real saves and loads on real files; the damage is done to the bytes on disk.
 from __future__ import annotations
 
 import json
+
+from omnickpt.format import manifest_document
 import os
 import subprocess
 import sys
@@ -119,8 +121,8 @@ def test_a_hand_made_deep_object_in_a_real_checkpoint_fails_the_load_and_verify(
 def _replace_object(ckpt: str, key: str, payload: bytes) -> None:
     """Append `payload` to the object's data file and point the manifest's record for `key` at it,
     with its true checksum: bytes that are intact as stored but were never written by omnickpt."""
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        doc = json.load(f)
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        doc = manifest_document(f.read())
     entry = doc["objects"][key][0]
     fentry = doc["files"][entry["file"]]
     path = os.path.join(ckpt, fentry["path"])
@@ -228,8 +230,8 @@ def _empty_round_trip(ckpt: str, seed: int) -> dict:
     """Save modules holding zero-element tensors (one of them nothing else), load them strictly."""
     model, only = _WithEmpty(seed), nn.Linear(4, 0)
     omnickpt.save(ckpt, {"model": model, "only": only}).wait()
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        tensors = json.load(f)["tensors"]
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        tensors = manifest_document(f.read())["tensors"]
     target = _WithEmpty(seed + 100)
     other = nn.Linear(4, 0)
     omnickpt.load(ckpt, {"model": target, "only": other})
@@ -331,8 +333,8 @@ def test_the_normal_resume_into_a_fresh_optimizer_of_the_same_kind_works(tmp_pat
     assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[q]["exp_avg"])
                for p, q in zip(target.parameters(), saved.parameters()))
     _stepped(target, fresh)
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        assert json.load(f)["layout"]["frameworks"]["optim"] == "torch.optim.adam.Adam"
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        assert manifest_document(f.read())["layout"]["frameworks"]["optim"] == "torch.optim.adam.Adam"
 
 
 # --------------------------------------------------------------------- plain tensors in the state

@@ -3,6 +3,8 @@ strict=False that covers the optimizer, and metadata stored with the checkpoint.
 from __future__ import annotations
 
 import json
+
+from omnickpt.format import manifest_document
 import os
 
 import pytest
@@ -87,16 +89,16 @@ def test_metadata_is_stored_in_the_manifest_and_validated(tmp_path):
     model, _ = _trained(0)
     meta = {"config": {"hidden_size": 6, "architectures": ["Toy"], "rope": None}, "run": "abc"}
     omnickpt.save(str(tmp_path / "c"), {"model": model}, metadata=meta).wait()
-    with open(os.path.join(tmp_path, "c", "manifest.json")) as f:
-        assert json.load(f)["layout"]["metadata"] == meta
+    with open(os.path.join(tmp_path, "c", "manifest.json"), "rb") as f:
+        assert manifest_document(f.read())["layout"]["metadata"] == meta
     assert omnickpt.read_manifest(omnickpt.storage.storage_for(str(tmp_path / "c"))).layout["metadata"] == meta
     for bad in ({"t": torch.ones(1)}, {"f": float("nan")}, {"s": {1, 2}}):
         with pytest.raises(UnsupportedError, match="metadata"):
             omnickpt.save(str(tmp_path / "d"), {"model": model}, metadata=bad)
     # As from any JSON file: integer keys (a config's id2label) come back as strings, tuples as lists.
     omnickpt.save(str(tmp_path / "e"), {"model": model}, metadata={"id2label": {0: "a"}, "t": (1, 2)}).wait()
-    with open(os.path.join(tmp_path, "e", "manifest.json")) as f:
-        assert json.load(f)["layout"]["metadata"] == {"id2label": {"0": "a"}, "t": [1, 2]}
+    with open(os.path.join(tmp_path, "e", "manifest.json"), "rb") as f:
+        assert manifest_document(f.read())["layout"]["metadata"] == {"id2label": {"0": "a"}, "t": [1, 2]}
     with pytest.raises(TypeError):
         omnickpt.save(str(tmp_path / "d"), {"model": model}, metadata=["not a dict"])
 
@@ -113,8 +115,8 @@ def test_the_saved_mesh_and_placements_are_recorded_and_shown(tmp_path, capsys):
     from omnickpt.cli import main as cli
     path = str(tmp_path / "c")
     run_ranks(2, _fsdp2_save, path)
-    with open(os.path.join(path, "manifest.json")) as f:
-        meshes = json.load(f)["layout"]["meshes"]
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        meshes = manifest_document(f.read())["layout"]["meshes"]
     assert meshes["model"]["mesh"]["shape"] == [2]
     assert meshes["model"]["placements"] == {"(Shard(dim=0),)": 6}   # the ToyMLP's six sharded tensors
     assert "optim" not in meshes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import random
 
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 from omnickpt.errors import MismatchError, PlanError
 from omnickpt.format import FileEntry, Manifest, SavedBox, TensorEntry
 from omnickpt.layout import Box, flat_range_to_boxes
-from omnickpt.planner import ShardRecord, build_global_plan, plan_reads, structure_digest
-from omnickpt.planner.save_plan import ALIGN
+from omnickpt.planner import ShardRecord, WriteItem, build_global_plan, plan_reads, structure_digest
+from omnickpt.planner import save_plan
+from omnickpt.planner.save_plan import ALIGN, RecordBatch
 
 
 def rec(name, shape, box: Box | None = None, dtype="float32", itemsize=4) -> ShardRecord:
@@ -113,6 +115,121 @@ def test_conflicting_dtypes_and_boxes_outside_the_shape_are_plan_errors():
         build_global_plan([[rec("w", (4,))], [rec("w", (4,), dtype="bfloat16", itemsize=2)]])
     with pytest.raises(PlanError, match=r"'w': rank 1 holds box .* outside shape \[4\]"):
         build_global_plan([[rec("w", (4,), Box((0,), (2,)))], [rec("w", (4,), Box((2,), (3,)))]])
+
+
+def _plan_arrays(plan):
+    return [plan.write_start.tolist(), plan.write_index.tolist(), plan.write_offset.tolist(),
+            plan.write_nbytes.tolist(), [plan.names[t] for t in plan.write_tensor], plan.tensor_bytes]
+
+
+@pytest.mark.parametrize("world", [1, 2, 7, 64])
+def test_the_uniform_and_the_general_planner_make_the_same_plan(world):
+    # FSDP rows, column blocks (TP) and replicas of several sizes, as every rank reports them: the
+    # array planner for that usual layout must decide exactly what the general one does.
+    recs = []
+    for r in range(world):
+        rows = [rec(f"rows{i}", (world * 3, 5), Box((3 * r, 0), (3, 5))) for i in range(4)]
+        cols = [rec("cols", (2, world * 2), Box((0, 2 * r), (2, 2)), dtype="bfloat16", itemsize=2)]
+        reps = [rec(f"rep{i}", (1 + (i * 37) % 11,)) for i in range(9)] + [rec("step", ())]
+        recs.append(rows + reps[:5] + cols + reps[5:])
+    batches = [RecordBatch.from_records(r) for r in recs]
+    table = save_plan._tensor_table(batches)
+    fast = save_plan._plan_uniform(batches, *table)
+    assert fast is not None
+    slow = save_plan._plan_general(batches, *table)
+    assert _plan_arrays(fast) == _plan_arrays(slow)
+    assert _plan_arrays(build_global_plan(recs)) == _plan_arrays(fast)
+    _check_file_layout(fast)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_hsdp_plans_the_same_with_both_planners_and_bulk_balancing(groups, monkeypatch):
+    # `groups` replica groups x 4 shards of 3 tensors, a full replica, in shuffled rank order:
+    # the array planner, the general one and the bulk balancing by holder set agree.
+    world, shards = 4 * groups, 4
+    perm = random.Random(groups).sample(range(shards), shards)
+    recs = [[rec(f"w{i}", (8, 4 + i), Box((2 * perm[r % shards], 0), (2, 4 + i))) for i in range(3)]
+            + [rec("b", (5,))] for r in range(world)]
+    batches = [RecordBatch.from_records(r) for r in recs]
+    table = save_plan._tensor_table(batches)
+    fast = save_plan._plan_uniform(batches, *table)
+    slow = save_plan._plan_general(batches, *table)
+    assert fast is not None and _plan_arrays(fast) == _plan_arrays(slow)
+    monkeypatch.setattr(save_plan, "LOOP_LIMIT", 0)     # the bulk path for any number of boxes
+    bulk = save_plan._plan_uniform(batches, *table)
+    written = _written(bulk)
+    assert sorted((rc.name, rc.box.offsets) for _, rc in written) == sorted(
+        {(f"w{i}", (2 * s, 0)) for i in range(3) for s in range(shards)} | {("b", (0,))})
+    per_rank = bulk.bytes_per_rank()
+    assert max(per_rank) - min(per_rank) <= 2 * 2 * 6 * 4     # within a box or two of each other
+    _check_file_layout(bulk)
+
+
+def test_bulk_balancing_is_the_greedy_one_when_holder_sets_are_disjoint():
+    rng = random.Random(7)
+    world = 12
+    recs = [[] for _ in range(world)]
+    for i in range(300):   # boxes of random sizes, each held by one of 4 disjoint rank triples
+        n = rng.randint(1, 50)
+        for r in [(i % 4) + 4 * k for k in range(3)]:
+            recs[r].append(rec(f"t{i}", (n,)))
+    batches = [RecordBatch.from_records(r) for r in recs]
+    table = save_plan._tensor_table(batches)
+    one_by_one = save_plan._plan_general(batches, *table)
+    save_plan.LOOP_LIMIT, saved = 0, save_plan.LOOP_LIMIT
+    try:
+        bulk = save_plan._plan_general(batches, *table)
+    finally:
+        save_plan.LOOP_LIMIT = saved
+    assert _plan_arrays(bulk) == _plan_arrays(one_by_one)
+
+
+def test_hsdp_replicas_of_shards_are_written_once_each_and_balanced():
+    # 2 replica groups x 4 shards: each shard box is held by 2 ranks, written by one of them.
+    world = 8
+    recs = [[rec("w", (8, 4), Box((2 * (r % 4), 0), (2, 4))), rec("b", (4,))] for r in range(world)]
+    plan = build_global_plan(recs)
+    written = _written(plan)
+    assert sorted(rc.box.offsets for _, rc in written if rc.name == "w") == [(0, 0), (2, 0), (4, 0), (6, 0)]
+    assert sum(1 for _, rc in written if rc.name == "b") == 1
+    assert max(len(ws) for ws in plan.writes) == 1   # 5 boxes over 8 ranks: nobody writes two
+    _check_file_layout(plan)
+
+
+def test_overlapping_boxes_are_refused_naming_the_tensor_and_ranks():
+    # Two ranks claim rows 0..3 and 2..5 of one tensor: not replicas, and they share rows 2..3.
+    recs = [[rec("w", (6, 2), Box((0, 0), (4, 2)))], [rec("w", (6, 2), Box((2, 0), (4, 2)))]]
+    with pytest.raises(PlanError, match=r"'w'.*overlap.*ranks \[0, 1\]"):
+        build_global_plan(recs)
+    grid = [[rec("g", (4, 4), Box((0, 0), (2, 3)))], [rec("g", (4, 4), Box((1, 2), (2, 2)))],
+            [rec("g", (4, 4), Box((2, 0), (2, 2)))]]
+    with pytest.raises(PlanError, match=r"'g'.*overlap"):
+        build_global_plan(grid)
+
+
+def test_records_travel_as_compact_arrays_and_tables_once():
+    world = 64
+    recs = [[rec(f"model/layers.{i}.weight", (world * 4, 1024), Box((4 * r, 0), (4, 1024))) for i in range(500)]
+            for r in range(world)]
+    batches = [RecordBatch.from_records(r) for r in recs]
+    full = len(pickle.dumps(batches[1]))
+    lean = len(pickle.dumps(batches[1].without_table()))
+    assert lean < 10 * 500 < full < len(pickle.dumps(recs[1]))   # a few bytes per record without the names
+    assert batches[1].records() == recs[1]
+    # Ranks that share rank 0's table leave it out; the coordinator plans the same.
+    sent = [batches[0]] + [b.without_table() for b in batches[1:]]
+    assert _plan_arrays(build_global_plan(sent)) == _plan_arrays(build_global_plan(batches))
+    with pytest.raises(PlanError, match="without their tensor table"):
+        build_global_plan([b.without_table() for b in batches])
+
+
+def test_ranks_without_records_and_empty_boxes_plan_like_any_other():
+    plan = build_global_plan([[rec("a", (3,))], []])
+    assert plan.bytes_per_rank() == [12, 0] and list(plan.writes) == [[WriteItem(0, 0, 12)], []]
+    # A tensor with no elements is still planned once (its manifest entry needs a record).
+    plan = build_global_plan([[rec("z", (0, 4)), rec("s", ())], [rec("z", (0, 4)), rec("s", ())]])
+    assert sorted((rc.name, rc.nbytes) for _, rc in _written(plan)) == [("s", 4), ("z", 0)]
+    assert build_global_plan([[], []]).tensor_bytes == [0, 0]
 
 
 def test_structure_digest_changes_with_any_structural_change():

@@ -19,12 +19,12 @@ from torch import nn
 import omnickpt
 from omnickpt import CheckpointError, CorruptCheckpointError, NotCommittedError, PlanError
 from omnickpt.cli.verify import verify
-from omnickpt.format import CHUNK_BYTES, FORMAT_VERSION, checksum
+from omnickpt.format import CHUNK_BYTES, FORMAT_VERSION, checksum, manifest_document
 
 
 def _manifest(path) -> dict:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        return manifest_document(f.read())
 
 
 def _write_manifest(path, doc) -> None:
@@ -75,7 +75,7 @@ def test_a_flipped_byte_fails_a_resharded_load_on_every_rank_and_installs_nothin
     omnickpt.save(good, {"model": _big(1)}).wait()
     omnickpt.save(bad, {"model": _big(1)}).wait()
     doc = _manifest(bad)
-    assert doc["version"] == FORMAT_VERSION == 2 and doc["chunk_bytes"] == CHUNK_BYTES
+    assert FORMAT_VERSION == 3 and doc["chunk_bytes"] == CHUNK_BYTES
     box = doc["tensors"]["model/0.weight"]["boxes"][0]
     assert len(box[5]) == 4                       # one CRC per MiB of the 4 MiB box
     victim = doc["files"][box[2]]["path"]
@@ -300,7 +300,7 @@ def _saved(tmp_path):
                                     "crc_count", "crc_range"])
 def test_hostile_manifest_values_are_refused_with_a_clear_error(tmp_path, damage):
     ckpt, model = _saved(tmp_path)
-    raw = open(os.path.join(ckpt, "manifest.json")).read()
+    raw = json.dumps(_manifest(ckpt), separators=(",", ":"))
     doc = json.loads(raw)
     box = doc["tensors"]["model/0.weight"]["boxes"][0]
     if damage == "version_negative":

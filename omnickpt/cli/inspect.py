@@ -60,7 +60,7 @@ def describe_manifest(m: Manifest, path: str, *, boxes: bool = False, filters: S
             continue
         entry = {"name": name, "shape": list(t.shape), "dtype": t.dtype,
                  "bytes": math.prod(t.shape) * dtype_from_name(t.dtype).itemsize,
-                 "stored_bytes": t.nbytes, "boxes": len(t.boxes)}
+                 "stored_bytes": t.nbytes, "boxes": t.box_count}
         if boxes:
             entry["box_list"] = [{"offsets": list(b.offsets), "lengths": list(b.lengths),
                                   "file": m.files[b.file].path if b.file >= 0 else None, "offset": b.offset,
@@ -88,7 +88,7 @@ def describe_manifest(m: Manifest, path: str, *, boxes: bool = False, filters: S
         "objects": objects,
         "files": files,
         "totals": {
-            "tensors": len(m.tensors), "boxes": sum(len(t.boxes) for t in all_tensors),
+            "tensors": len(m.tensors), "boxes": sum(t.box_count for t in all_tensors),
             "tensor_bytes": sum(t.nbytes for t in all_tensors),
             "objects": len(objects), "object_bytes": sum(o["bytes"] for o in objects),
             "files": len(files), "file_bytes": sum(f["bytes"] for f in files),

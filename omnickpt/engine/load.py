@@ -8,13 +8,14 @@ from typing import Sequence
 
 import torch
 
-from omnickpt.engine.staging import StagingPool
+from omnickpt.engine.staging import StagingPool, checksums, copy_bytes, gc_paused, plain_bytes
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format import Manifest, checksum, decode_object
-from omnickpt.layout import Box, relative, row_major_strides
+from omnickpt.format.manifest import WindowBox
+from omnickpt.layout import Box, contiguous_start, relative, row_major_strides
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem
-from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan, item_key, stored_region
+from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan, item_key
 from omnickpt.storage import Storage
 from omnickpt.storage.base import require_length
 
@@ -41,7 +42,7 @@ def _dest_view(item: ReadItem, dest_box: Box, dest: torch.Tensor) -> torch.Tenso
     return dest[tuple(slice(o, o + l) for o, l in zip(rel_dest.offsets, rel_dest.lengths))] if dest.dim() else dest
 
 
-@dataclass
+@dataclass(slots=True)   # one per read item: 10^5 and more in a resharded load
 class _Need:
     """The file bytes one read item needs, and the range that must land to verify them."""
     index: int            # into the items
@@ -53,17 +54,28 @@ class _Need:
     strides: tuple[int, ...]   # element strides of the stored block
 
 
-def _need(i: int, item: ReadItem, itemsize: int, verify: bool) -> _Need:
-    sb = item.saved
-    rel, stored_lengths = stored_region(item)
-    strides = row_major_strides(stored_lengths)
-    first = sum(o * st for o, st in zip(rel.offsets, strides))
-    last = first + sum((l - 1) * st for l, st in zip(rel.lengths, strides))
+def _need(i: int, item: ReadItem, itemsize: int, verify: bool, strides_of: dict) -> _Need:
+    # Called once per item (10^5 and more in a resharded load): plain arithmetic, no Box objects.
+    sb, region = item.saved, item.region
+    if isinstance(sb, WindowBox):
+        stored, shift = sb.base_lengths, sb.base_start
+    else:
+        stored, shift = sb.lengths, None
+    strides = strides_of.get(stored)
+    if strides is None:
+        strides = strides_of[stored] = row_major_strides(stored)
+    first = last = 0
+    for d, (r, o, n, st) in enumerate(zip(region.offsets, sb.offsets, region.lengths, strides)):
+        rel = r - o + (shift[d] if shift is not None else 0)
+        first += rel * st
+        last += (rel + n - 1) * st
     lo, hi = sb.offset + first * itemsize, sb.offset + (last + 1) * itemsize
     land_lo, land_hi = lo, hi
-    if verify and sb.sums is not None:
-        chunks = sb.sums.covering(lo, hi)
-        land_lo, land_hi = sb.sums.chunk(chunks.start)[0], sb.sums.chunk(chunks.stop - 1)[1]
+    sums = sb.sums
+    if verify and sums is not None:
+        size = sums.size
+        land_lo = sums.start + (lo - sums.start) // size * size
+        land_hi = min(sums.end, sums.start - (-(hi - sums.start) // size) * size)
     return _Need(i, lo, hi, land_lo, land_hi, first, strides)
 
 
@@ -150,11 +162,13 @@ def _chunks_to_check(ext: _Extent, items: Sequence[ReadItem]) -> list[tuple[int,
         sums = items[n.index].saved.sums
         if sums is None:
             continue
-        for c in sums.covering(n.lo, n.hi):
-            a, b = sums.chunk(c)
+        start, size, end, crcs = sums.start, sums.size, sums.end, sums.crcs
+        for c in range((n.lo - start) // size, -(-(n.hi - start) // size)):
+            a = start + c * size
+            b = min(a + size, end)
             if (a, b) not in seen:
                 seen.add((a, b))
-                out.append((a, b, sums.crcs[c], n))
+                out.append((a, b, crcs[c], n))
     return out
 
 
@@ -164,15 +178,14 @@ def _verify(storage: Storage, manifest: Manifest, batch: Sequence[_Extent], item
     tasks, so many mid-sized boxes (a resharded load) spread over the threads too."""
     checks, views = [], []
     for ext in batch:
-        data = memoryview(ext.buf.numpy())
-        for a, b, want, n in _chunks_to_check(ext, items):
-            checks.append((ext, a, b, want, n))
-            views.append(data[a - ext.start:b - ext.start])
-    if executor is not None and len(views) > 1 and sum(len(v) for v in views) >= _PARALLEL_BYTES:
-        got = list(executor.map(checksum, views))
-    else:
-        got = [checksum(v) for v in views]
-    for (ext, a, b, want, n), crc in zip(checks, got):
+        data, start = memoryview(ext.buf.numpy()), ext.start
+        chunks = _chunks_to_check(ext, items)
+        checks += [(ext, c) for c in chunks]
+        views += [data[a - start:b - start] for a, b, _, _ in chunks]
+    got = checksums(views, executor)
+    if got == [c[2] for _, c in checks]:
+        return
+    for (ext, (a, b, want, n)), crc in zip(checks, got):
         if crc != want:
             it = items[n.index]
             raise CorruptCheckpointError(
@@ -182,14 +195,69 @@ def _verify(storage: Storage, manifest: Manifest, batch: Sequence[_Extent], item
                 "Restore the file or load an earlier checkpoint")
 
 
-def _source(ext: _Extent, n: _Need, item: ReadItem, dtype: torch.dtype) -> torch.Tensor:
-    """The item's region, as a strided view of the landed bytes."""
+def _source(ext: _Extent, n: _Need, item: ReadItem, dtype: torch.dtype, typed: dict) -> torch.Tensor:
+    """The item's region, as a strided view of the landed bytes (`typed` caches the extent's
+    buffer viewed as `dtype`)."""
     itemsize = dtype.itemsize
-    raw = ext.buf[n.lo - ext.start:n.hi - ext.start]
-    if (n.lo - ext.start) % itemsize:
-        raw = raw.clone()   # a view as a wider dtype needs an aligned start
-    flat = raw.view(dtype)
-    return flat.as_strided(item.region.lengths, n.strides, flat.storage_offset())
+    at = n.lo - ext.start
+    if at % itemsize:
+        flat = ext.buf[at:n.hi - ext.start].clone().view(dtype)   # a view as a wider dtype needs an aligned start
+        return flat.as_strided(item.region.lengths, n.strides)
+    flat = typed.get(dtype)
+    if flat is None:
+        usable = ext.buf.numel() // itemsize * itemsize
+        flat = typed[dtype] = ext.buf[:usable].view(dtype)
+    return flat.as_strided(item.region.lengths, n.strides, flat.storage_offset() + at // itemsize)
+
+
+class _Dests:
+    """The destination tensors, as the install needs them: where an item's region lies in host
+    memory when it is one contiguous run of a plain tensor (the usual case: whole boxes, row
+    slabs; installed by one memmove instead of a slice, a view and a copy_ in torch), else the
+    region as one strided view (a single as_strided call)."""
+
+    def __init__(self, dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor]):
+        self._boxes, self._dests = dest_boxes, dests
+        self._plain: dict[int, tuple[int, int, int] | None] = {}
+        self._detached: dict[int, tuple] = {}   # dest -> (detached tensor, strides, storage offset, box origin)
+
+    def address(self, item: ReadItem, nbytes: int) -> int | None:
+        """The first byte of `item`'s region in its destination, if the region is `nbytes` of
+        contiguous memory there; else None (the caller copies through `view`)."""
+        d = item.dest
+        info = self._plain.get(d, False)
+        if info is False:
+            t = self._dests[d]
+            info = None
+            if plain_bytes(t):
+                info = (t.data_ptr(), t.element_size(), t.numel())
+            self._plain[d] = info
+        if info is None:
+            return None
+        ptr, itemsize, numel = info
+        region, box = item.region, self._boxes[d]
+        if region.numel * itemsize != nbytes:
+            return None   # the stored bytes are not one run (a column slice of a stored box)
+        first = contiguous_start(region, box)
+        if first is None or first + region.numel > numel:
+            return None
+        return ptr + first * itemsize
+
+    def view(self, item: ReadItem) -> torch.Tensor:
+        """The region `item` fills, as a view of the destination's detached data: written in
+        place, outside autograd (destinations may be parameters, or views adapters made under
+        no_grad)."""
+        d = item.dest
+        place = self._detached.get(d)
+        if place is None:
+            t = self._dests[d].detach()
+            place = self._detached[d] = (t, t.stride(), t.storage_offset(), self._boxes[d].offsets)
+        t, strides, at, origin = place
+        if not strides:
+            return t
+        for r, o, st in zip(item.region.offsets, origin, strides):
+            at += (r - o) * st
+        return t.as_strided(item.region.lengths, strides, at)
 
 
 class Landing:
@@ -199,11 +267,12 @@ class Landing:
     def __init__(self, install, discard):
         self._install, self._discard = install, discard
 
-    def install(self) -> list[torch.Tensor]:
-        """Copy the landed bytes into their destinations. Returns, per item, a contiguous tensor
-        holding what it filled (the destination region itself when contiguous), for forwarding."""
+    def install(self, *, compacts: bool = False) -> list[torch.Tensor] | None:
+        """Copy the landed bytes into their destinations. With `compacts`, returns per item a
+        contiguous tensor holding what it filled (the destination region itself when contiguous),
+        for forwarding."""
         try:
-            return self._install()
+            return self._install(compacts)
         finally:
             self._discard()
 
@@ -220,6 +289,7 @@ def _buffers(pool: StagingPool | None):
     return (lambda n: pool.acquire(n)), pool.release
 
 
+@gc_paused()
 def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer,
                  budget: int = LANDING_BYTES, pool: StagingPool | None = None) -> Landing:
@@ -230,8 +300,8 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     (a corrupt byte is still never installed) and the last one waits for install(). Landing
     memory comes from `pool` when given (see `_buffers`)."""
     acquire, release = _buffers(pool)
+    strides_of: dict[tuple, tuple] = {}
     held: list[torch.Tensor] = []   # the batch buffer in use, at most one
-    done: list[torch.Tensor | None] = [None] * len(items)
     needs: list[tuple[int, _Need]] = []
     zeros: list[int] = []
     direct: list[tuple[int, _Need, torch.Tensor]] = []
@@ -239,7 +309,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
         if it.saved.file == ZERO_FILL:
             zeros.append(i)
             continue
-        need = _need(i, it, dests[it.dest].element_size(), verify)
+        need = _need(i, it, dests[it.dest].element_size(), verify, strides_of)
         if not verify or it.saved.sums is None:
             # Nothing to verify (a foreign format has no checksums): landing would buy nothing but
             # a copy, so a contiguous region is read straight into its destination.
@@ -281,12 +351,19 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             with timer.phase("verify"):
                 _verify(storage, manifest, batch, items, executor)
 
+    places = _Dests(dest_boxes, dests)
+
     def put(ext: _Extent) -> None:
+        base = ext.buf.data_ptr() - ext.start
+        typed: dict[torch.dtype, torch.Tensor] = {}   # the landing buffer viewed as each dtype it holds
         for n in ext.needs:
             it = items[n.index]
-            view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
-            view.copy_(_source(ext, n, it, view.dtype))
-            done[n.index] = view
+            at = places.address(it, n.hi - n.lo)
+            if at is not None:
+                copy_bytes(at, base + n.lo, n.hi - n.lo)
+                continue
+            view = places.view(it)
+            view.copy_(_source(ext, n, it, view.dtype, typed))
         ext.buf = None
 
     def install(batch: list[_Extent], zero: Sequence[int]) -> None:
@@ -303,7 +380,6 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
                 it = items[i]
                 view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
                 view.zero_()   # pad rows a transform added: no stored bytes back them
-                done[i] = view
 
     def give_back() -> None:
         while held:
@@ -314,8 +390,6 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             with timer.phase("read"):
                 _read_direct(storage, manifest, direct, items, executor)
                 timer.count("read", sum(n.hi - n.lo for _, n, _ in direct))
-            for _, n, view in direct:
-                done[n.index] = view
         for batch in batches[:-1]:
             read(batch)
             install(batch, ())
@@ -324,18 +398,21 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
         give_back()
         raise
 
-    def finish() -> list[torch.Tensor]:
+    def finish(compacts: bool) -> list[torch.Tensor] | None:
         install(batches[-1], zeros)
-        return [t if t.is_contiguous() else t.contiguous() for t in done]
+        if not compacts:
+            return None
+        views = [_dest_view(it, dest_boxes[it.dest], dests[it.dest]) for it in items]
+        return [v if v.is_contiguous() else v.contiguous() for v in views]
 
     return Landing(finish, give_back)
 
 
 def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool,
-                 timer: PhaseTimer) -> list[torch.Tensor]:
+                 timer: PhaseTimer) -> None:
     """land_tensors, then install at once (for callers with no other rank to agree with)."""
-    return land_tensors(storage, manifest, items, dest_boxes, dests, executor, verify=verify, timer=timer).install()
+    land_tensors(storage, manifest, items, dest_boxes, dests, executor, verify=verify, timer=timer).install()
 
 
 def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor], plan: "ForwardPlan",
@@ -415,15 +492,19 @@ def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadI
 
     `object_ranges` holds (object key, ObjectEntry) pairs. One size query per file.
     """
-    needs: dict[int, list[tuple[int, str]]] = {}
+    ends: dict[int, int] = {}   # file -> the end of the last byte needed there
     for it in items:
-        if it.saved.file >= 0:
-            needs.setdefault(it.saved.file, []).append(
-                (it.saved.offset + it.saved.nbytes,
-                 f"tensor {it.name!r} box offsets={list(it.saved.offsets)} lengths={list(it.saved.lengths)}"))
-    for key, e in object_ranges:
-        if e.inline is None:
-            needs.setdefault(e.file, []).append((e.offset + e.nbytes, f"object {key!r}"))
-    for fi, ends in needs.items():
+        sb = it.saved
+        if sb.file >= 0 and ends.get(sb.file, -1) < sb.offset + sb.nbytes:
+            ends[sb.file] = sb.offset + sb.nbytes
+    objects = [(key, e) for key, e in object_ranges if e.inline is None]
+    for _, e in objects:
+        ends[e.file] = max(ends.get(e.file, -1), e.offset + e.nbytes)
+    for fi, end in ends.items():
         path = manifest.files[fi].path
-        require_length(storage, path, storage.size(path), ends, "manifest")
+        size = storage.size(path)
+        if size < end:   # name what lies past the end (built only for a short file)
+            what = [(it.saved.offset + it.saved.nbytes, f"tensor {it.name!r} box offsets={list(it.saved.offsets)} "
+                     f"lengths={list(it.saved.lengths)}") for it in items if it.saved.file == fi]
+            what += [(e.offset + e.nbytes, f"object {key!r}") for key, e in objects if e.file == fi]
+            require_length(storage, path, size, what, "manifest")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from omnickpt.errors import MismatchError
 from omnickpt.format.manifest import Manifest, SavedBox, WindowBox
-from omnickpt.layout import Box, intersect
+from omnickpt.layout import Box, BoxIndex, intersect
 
 # SavedBox.file of a box that is not stored at all: its elements load as zeros. Only transforms
 # make such boxes (the pad rows of a padded vocabulary, omnickpt/transforms.py); a manifest read
@@ -47,27 +47,54 @@ def _numel(lengths) -> int:
     return n
 
 
+# Up to this many stored boxes, a tensor's boxes are intersected one by one: building an index
+# costs more than it saves.
+_INDEX_FROM = 16
+
+
 def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadItem]:
-    """Every (saved box, wanted box) overlap, checking that each wanted box is fully covered."""
+    """Every (saved box, wanted box) overlap, checking that each wanted box is fully covered.
+
+    Items come per wanted box, in the order of the tensor's saved boxes. A tensor with many boxes
+    is searched through an index (`BoxIndex`, built once per call), so a wanted box costs its
+    overlaps, not the tensor's box count."""
     items: list[ReadItem] = []
     gaps: list[str] = []
+    indexes: dict[str, BoxIndex] = {}
     for di, (name, box) in enumerate(wanted):
         entry = manifest.tensors.get(name)
         if entry is None:
             gaps.append(f"{name}: missing from the checkpoint")
             continue
         covered = 0
-        for sb in entry.boxes:
-            region = intersect(Box(sb.offsets, sb.lengths), box)
-            if region is not None and region.numel:
-                items.append(ReadItem(name, di, sb, region))
-                covered += region.numel
+        boxes = entry.boxes
+        if len(boxes) < _INDEX_FROM:
+            for sb in boxes:
+                region = intersect(Box(sb.offsets, sb.lengths), box)
+                if region is not None and region.numel:
+                    items.append(ReadItem(name, di, sb, region))
+                    covered += region.numel
+        else:
+            index = indexes.get(name)
+            if index is None:
+                index = indexes[name] = _index(entry)
+            found, offs, lens = index.overlapping(box)
+            covered = int(lens.prod(axis=1).sum()) if len(found) else 0
+            items += [ReadItem(name, di, boxes[i], Box(tuple(o), tuple(n)))
+                      for i, o, n in zip(found.tolist(), offs.tolist(), lens.tolist())]
         if covered < box.numel:
             gaps.append(f"{name}: the checkpoint holds only {covered} of the {box.numel} elements of box "
                         f"offsets={list(box.offsets)} lengths={list(box.lengths)}")
     if gaps:
         raise MismatchError("the checkpoint does not cover every element this rank needs:\n  " + "\n  ".join(gaps), gaps)
     return items
+
+
+def _index(entry) -> BoxIndex:
+    cols = getattr(entry, "columns", None)   # None for transforms' derived boxes: those are indexed from the box list
+    if cols is not None:
+        return BoxIndex(cols.offsets, cols.lengths)
+    return BoxIndex.of(entry.boxes, len(entry.shape))
 
 
 ItemKey = tuple   # (tensor name, file, byte offset of the saved box, region offsets, region lengths)

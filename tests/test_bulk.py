@@ -1,0 +1,186 @@
+"""The bulk (vectorised) paths against the one-item-at-a-time code they replace: box search
+(BoxIndex, indexed plan_reads) on random box sets, and the engine's coalescing of reads and
+copies at their edges."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from omnickpt.format import Manifest, SavedBox, TensorEntry
+from omnickpt.format.manifest import FileEntry, Sums
+from omnickpt.layout import Box, BoxIndex, flat_range_to_boxes, intersect
+from omnickpt.planner import plan_reads
+from omnickpt.planner.load_plan import _INDEX_FROM, ReadItem
+
+CASES = 300
+
+
+def _random_box(rng: random.Random, shape) -> Box:
+    offs, lens = [], []
+    for s in shape:
+        o = rng.randint(0, s)
+        offs.append(o)
+        lens.append(rng.randint(0, s - o))
+    return Box(tuple(offs), tuple(lens))
+
+
+def _tiling(rng: random.Random, shape) -> list[Box]:
+    """Boxes tiling `shape`: a random grid, some cells split further as flat ranges (the uneven
+    boxes FSDP1-style flattening makes), in a shuffled order."""
+    cuts = [sorted({0, s, *(rng.randint(0, s) for _ in range(rng.randint(0, 4)))}) for s in shape]
+    boxes = [Box((), ())] if not shape else []
+    def walk(d, offs, lens):
+        if d == len(shape):
+            boxes.append(Box(tuple(offs), tuple(lens)))
+            return
+        for a, b in zip(cuts[d], cuts[d][1:]):
+            walk(d + 1, offs + [a], lens + [b - a])
+    if shape:
+        walk(0, [], [])
+    out = []
+    for b in boxes:
+        if b.numel > 1 and rng.random() < 0.3:
+            # Split the cell's elements [0, n) into flat ranges, then lift them to the cell.
+            n = b.numel
+            stops = sorted({0, n, rng.randint(1, n)})
+            for lo, hi in zip(stops, stops[1:]):
+                for sub in flat_range_to_boxes(b.lengths, lo, hi - lo):
+                    out.append(Box(tuple(o + s for o, s in zip(b.offsets, sub.offsets)), sub.lengths))
+        else:
+            out.append(b)
+    rng.shuffle(out)
+    return out
+
+
+def test_box_index_finds_exactly_the_scalar_intersections():
+    rng = random.Random(11)
+    for case in range(CASES):
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 4)))
+        boxes = _tiling(rng, shape) if rng.random() < 0.7 else [_random_box(rng, shape) for _ in range(rng.randint(0, 20))]
+        index = BoxIndex.of(boxes, len(shape))
+        for _ in range(5):
+            q = _random_box(rng, shape)
+            want = [(i, intersect(b, q)) for i, b in enumerate(boxes)]
+            want = [(i, r) for i, r in want if r is not None and r.numel]
+            idx, offs, lens = index.overlapping(q)
+            got = [(i, Box(tuple(o), tuple(n))) for i, o, n in zip(idx.tolist(), offs.tolist(), lens.tolist())]
+            assert got == want, (case, shape, boxes, q)
+
+
+def _manifest(rng: random.Random, shape, boxes: list[Box]) -> Manifest:
+    saved, off = [], 0
+    for b in boxes:
+        nb = b.numel * 4
+        saved.append(SavedBox(b.offsets, b.lengths, 0, off, nb, Sums(off, off + nb, 1 << 20, (rng.getrandbits(32),))))
+        off += nb
+    return Manifest(save_id="s", world_size=1, files=[FileEntry("data/f.bin", 0, off)],
+                    tensors={"t": TensorEntry(shape, "float32", saved)}, objects={})
+
+
+def _scalar_plan(manifest: Manifest, wanted) -> list[ReadItem]:
+    """What plan_reads returned before it was indexed: every saved box intersected in turn."""
+    items = []
+    for di, (name, box) in enumerate(wanted):
+        for sb in manifest.tensors[name].boxes:
+            r = intersect(Box(sb.offsets, sb.lengths), box)
+            if r is not None and r.numel:
+                items.append(ReadItem(name, di, sb, r))
+    return items
+
+
+def test_indexed_plan_reads_equals_the_scalar_plan():
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(CASES):
+        shape = tuple(rng.randint(2, 12) for _ in range(rng.randint(1, 3)))
+        boxes = _tiling(rng, shape)
+        if len(boxes) < _INDEX_FROM:
+            continue   # the scalar path: nothing new to compare
+        m = _manifest(rng, shape, boxes)
+        wanted = [("t", Box.full(shape))] + [("t", _random_box(rng, shape)) for _ in range(4)]
+        wanted = [w for w in wanted if w[1].numel]
+        assert plan_reads(m, wanted) == _scalar_plan(m, wanted)
+        checked += 1
+    assert checked > 30
+
+
+def test_indexed_plan_reads_reports_a_hole():
+    shape = (32, 4)
+    boxes = [Box((r, 0), (1, 4)) for r in range(32) if r != 17]
+    m = _manifest(random.Random(0), shape, boxes)
+    with pytest.raises(Exception, match=r"holds only 124 of the 128 elements"):
+        plan_reads(m, [("t", Box.full(shape))])
+
+
+def test_box_index_on_a_large_grid():
+    # 1000 x 1000 boxes of 1 x 1: a 3 x 3 query must come back with 9, in the tensor's box order.
+    n = 1000
+    offs = np.stack(np.meshgrid(np.arange(n), np.arange(n), indexing="ij"), -1).reshape(-1, 2)
+    index = BoxIndex(offs, np.ones_like(offs))
+    idx, lo, ln = index.overlapping(Box((10, 20), (3, 3)))
+    assert idx.tolist() == [r * n + c for r in range(10, 13) for c in range(20, 23)]
+    assert (ln == 1).all() and lo.tolist()[0] == [10, 20]
+
+
+def test_contiguous_start_agrees_with_element_runs():
+    from omnickpt.layout import contiguous_start, element_runs
+    rng = random.Random(3)
+    for _ in range(2000):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 4)))
+        sub = _random_box(rng, shape)
+        if not sub.numel:
+            continue
+        run, count, starts = element_runs(sub, shape)
+        first = next(iter(starts))
+        outer = Box(tuple(rng.randint(0, 3) for _ in shape), shape)   # anywhere in the global tensor
+        inner = Box(tuple(o + s for o, s in zip(outer.offsets, sub.offsets)), sub.lengths)
+        assert contiguous_start(inner, outer) == (first if count == 1 else None), (shape, sub)
+
+
+def test_bulk_copy_and_checksums_match_per_item():
+    from omnickpt.engine.staging import checksums
+    from omnickpt.format import checksum
+    from concurrent.futures import ThreadPoolExecutor
+    rng = random.Random(1)
+    data = bytes(rng.getrandbits(8) for _ in range(1 << 16)) * 200   # 13 MB: past the parallel threshold
+    mv = memoryview(data)
+    cuts = sorted({0, len(data), *(rng.randint(0, len(data)) for _ in range(3000))})
+    spans = [mv[a:b] for a, b in zip(cuts, cuts[1:])]
+    with ThreadPoolExecutor(4) as ex:
+        assert checksums(spans, ex) == [checksum(s) for s in spans]
+    assert checksums(spans[:3], None) == [checksum(s) for s in spans[:3]]
+
+
+def test_sync_save_packs_small_tensors_with_zero_gaps(tmp_path):
+    """Small tensors of a sync save are packed into one buffer per run; the alignment gaps
+    between them must be zeros (as when each was written alone), a large tensor in between is
+    written from its own memory, and everything loads back bitwise."""
+    import omnickpt
+    from omnickpt.storage import storage_for
+    gen = torch.Generator().manual_seed(0)
+    spec = lambda t: omnickpt.ShardSpec(t, (0,) * t.dim(), t.shape)  # noqa: E731  (tensors, not objects)
+    state = {f"s{i}": spec(torch.randn(1 + i % 5, generator=gen)) for i in range(40)}     # 4..20 bytes each
+    state["big"] = spec(torch.randn(300_000, generator=gen))                               # 1.2 MB: not packed
+    state.update({f"t{i}": spec(torch.randn(3, 7, generator=gen).to(torch.float64)) for i in range(40)})
+    with omnickpt.Checkpointer() as ckpt:
+        # An async save first leaves non-zero bytes in the pool buffers that the sync save packs into.
+        for _ in range(2):
+            ckpt.save(str(tmp_path / "a"), {"x": torch.randn(100_000, generator=gen) + 3}, async_save=True).wait()
+        ckpt.save(str(tmp_path / "c"), state)
+        (data,) = (tmp_path / "c" / "data").iterdir()
+        raw = data.read_bytes()
+        m = omnickpt.read_manifest(storage_for(str(tmp_path / "c")))
+        used = np.zeros(len(raw), dtype=bool)
+        for e in m.tensors.values():
+            for b in e.boxes:
+                used[b.offset:b.offset + b.nbytes] = True
+        for es in m.objects.values():
+            for e in es:
+                used[e.offset:e.offset + e.nbytes] = True
+        assert not np.frombuffer(raw, dtype=np.uint8)[~used].any()
+        back = {k: spec(torch.zeros_like(v.local)) for k, v in state.items()}
+        ckpt.load(str(tmp_path / "c"), back)
+    assert all(torch.equal(back[k].local, v.local) for k, v in state.items())
