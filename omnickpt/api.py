@@ -178,6 +178,7 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------------ save
+    @gc_paused()   # whole phases make objects by the thousand (engine.staging.gc_paused)
     def save(self, path: str, state: dict, *, async_save: bool = False, process_group: Any = None,
              allow_pickle: bool = False, durable: bool = True, check_replicas: bool = False, role: str | None = None,
              metadata: dict | None = None, on_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
@@ -201,7 +202,8 @@ class Checkpointer:
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
             gathered = comm.settle(f"save to {path}, step plan", error,
-                                   (collected.digest, uuid.uuid4().hex[:16], storage.describe(), collected.replicas))
+                                   (collected.digest, uuid.uuid4().hex[:16], storage.describe(), collected.replicas,
+                                    collected.batch.table_digest if collected.batch is not None else None))
         if check_replicas:
             _check_replicas([g[3] for g in gathered], path)
         # Each rank would write its file where it was told and the manifest would name files that
@@ -209,8 +211,8 @@ class Checkpointer:
         _same_path([g[2] for g in gathered], "save")
         save_id = gathered[0][1]
         with timer.phase("plan"):
-            writes, tensor_region, plan = self._global_plan(comm, tuple(g[0] for g in gathered), collected.records,
-                                                            path)
+            writes, tensor_region, plan = self._global_plan(comm, tuple(g[0] for g in gathered), collected.batch,
+                                                            path, tables=[g[4] for g in gathered])
         snap = self._snapshot(collected, writes, tensor_region, timer, async_save)
         timer.add("stall", time.perf_counter() - t_start)
 
@@ -226,7 +228,7 @@ class Checkpointer:
         self._inflight[storage.describe()] = handle
         return handle
 
-    def _global_plan(self, comm: Comm, digests: tuple, records: list, path: str, tables=None) -> tuple:
+    def _global_plan(self, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None) -> tuple:
         """Every rank: (this rank's writes, the size of its file's tensor region, the global plan
         (coordinator only)). A cached plan costs no collective; otherwise the coordinator plans
         from every rank's records (a gather) and hands each rank its part (a scatter).
@@ -242,7 +244,6 @@ class Checkpointer:
         # Records travel as arrays. With every rank's table digest (RecordBatch.table_digest, from
         # an all-gather already made), a rank whose tensor table (names, shapes, dtypes) a lower
         # rank also holds leaves it out: the coordinator receives each table once (FSDP: one in all).
-        batch = RecordBatch.from_records(records)
         if tables is not None and list(tables).index(batch.table_digest) != comm.rank:
             batch = batch.without_table()
         all_batches = comm.gather_object(batch, step=f"save to {path}, step plan")
@@ -411,6 +412,7 @@ class Checkpointer:
         return error_class, msg
 
     # ------------------------------------------------------------------ load
+    @gc_paused()   # whole phases make objects by the thousand (engine.staging.gc_paused)
     def load(self, path: str, state: dict, *, strict: bool = True, allow_pickle: bool = False,
              process_group: Any = None, verify: bool = True, dedup_reads: bool = False,
              transforms: Sequence[Any] = (), cast: bool = False, include: Sequence[str] = (),
@@ -423,6 +425,7 @@ class Checkpointer:
         path = str(path)
         comm = self.comm(process_group)
         job = _LoadJob(path, storage_for(path), state, PhaseTimer())
+        job.raw_manifest = _shared_manifest(job, comm)
         error = None
         try:
             with job.timer.phase("plan"):
@@ -476,7 +479,7 @@ class Checkpointer:
                    strict: bool) -> None:
         """Every rank, no collective: read the manifest, prepare and match the targets, plan the
         reads and check that the files hold the bytes planned."""
-        manifest = _bind_foreign(read_manifest(job.storage), job.state)
+        manifest = _bind_foreign(read_manifest(job.storage, job.raw_manifest), job.state)
         for transform in transforms:   # rewrite the manifest into the target's naming and fusing (pure)
             manifest = transform.apply(manifest)
         job.manifest = manifest
@@ -525,6 +528,24 @@ class Checkpointer:
                 t.finish(job.objects)
 
 
+def _shared_manifest(job: "_LoadJob", comm: Comm) -> bytes | None:
+    """Every rank (one broadcast with several ranks): the manifest's bytes, read from storage by
+    the coordinator alone, so that a restart of N ranks reads it once, not N times (8192 ranks each
+    reading a 200 MB manifest from one store is 1.6 TB). None where the coordinator could not read
+    ours (a foreign format, nothing committed, a storage error): every rank then reads for itself
+    in the plan phase and meets the error there, where it is settled."""
+    raw = None
+    if comm.is_coordinator:
+        try:
+            raw = job.storage.read_bytes(MANIFEST_NAME)
+            job.timer.count("metadata", len(raw))
+        except Exception:
+            raw = None
+    if comm.world_size == 1:
+        return raw
+    return comm.broadcast_object(raw, step=f"load from {job.path}, step metadata")
+
+
 @dataclasses.dataclass
 class _LoadJob:
     """One load on one rank, as its phases fill it in."""
@@ -539,6 +560,7 @@ class _LoadJob:
     objects: dict = dataclasses.field(default_factory=dict)
     differences: list[str] = dataclasses.field(default_factory=list)
     unexpected: set[str] = dataclasses.field(default_factory=set)
+    raw_manifest: bytes | None = None    # read by the coordinator, shared with every rank
 
     @property
     def boxes(self) -> list[Box]:
@@ -573,6 +595,7 @@ class _Collected:
     blobs: dict = dataclasses.field(default_factory=dict)
     layout: dict = dataclasses.field(default_factory=dict)
     replicas: list = dataclasses.field(default_factory=list)
+    batch: Any = None             # the records as arrays (planner.RecordBatch), sent to the coordinator
 
 
 @gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
@@ -588,6 +611,7 @@ def _collect(state: dict, comm: Comm, timer: PhaseTimer, allow_pickle: bool, che
         kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
         out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
         out.digest = structure_digest(out.records)
+        out.batch = RecordBatch.from_records(out.records)
         out.layout = {"world_size": comm.world_size,
                       "frameworks": {k: it.framework for k, it in collected if it.framework}}
         meshes = {k: it.layout for k, it in collected if it.layout}

@@ -55,7 +55,8 @@ def _job(rank: int, world_size: int, root: str) -> dict:
                 result = omnickpt.load(os.path.join(root, src), {"model": model, "optimizer": opt},
                                        process_group=group)
                 out[(src, target)] = {"differ": _differences(saved[src], full_values(model, opt)),
-                                      "reported": result.differences, "tensors": len(saved[src])}
+                                      "reported": result.differences, "tensors": len(saved[src]),
+                                      "metadata": [r["bytes"].get("metadata", 0) for r in result.report["per_rank"]]}
         dist.barrier()
     return out
 
@@ -87,3 +88,5 @@ def test_a_16_rank_checkpoint_loads_bitwise_at_fewer_ranks(sixteen, src, target,
         assert got["tensors"] >= 10
         assert got["differ"] == [], f"rank {rank}: {src} -> {target}: not bitwise equal: {got['differ']}"
         assert got["reported"] == []
+        # the manifest was read from storage once, by the coordinator, and shared over the group
+        assert got["metadata"][0] > 0 and not any(got["metadata"][1:]), got["metadata"]

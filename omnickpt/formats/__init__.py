@@ -59,10 +59,12 @@ def bind_keys(manifest: Manifest, state_keys: dict[str, str]) -> Manifest:
                                objects={rename(k): v for k, v in manifest.objects.items()})
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest at `storage`, or NotCommittedError saying why there is none."""
+def read_manifest(storage: Storage, raw: bytes | None = None) -> Manifest:
+    """The committed manifest at `storage`, or NotCommittedError saying why there is none. `raw`:
+    its bytes, already read (a load reads them on one rank and shares them over the group)."""
     try:
-        raw = storage.read_bytes(MANIFEST_NAME)
+        if raw is None:
+            raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         foreign = read_foreign(storage)   # a Hugging Face or DCP folder reads as our manifest
         if foreign is not None:
