@@ -436,8 +436,7 @@ class Checkpointer:
             error = e
         dedup = dedup_reads and comm.world_size > 1
         wants = [(item_key(it), it.nbytes) for it in job.items] if dedup and error is None else []
-        # shm:// is per machine: the same URL is the same checkpoint whatever $OMNICKPT_SHM_DIR is.
-        where = path if path.startswith("shm://") else job.storage.describe()
+        where = _where(job)
         gathered = comm.settle(f"load from {path}, step plan", error,
                                (sorted(job.unexpected), sorted(set(job.differences))[:20], wants, where))
         _same_path([g[3] for g in gathered], "load")
@@ -543,7 +542,15 @@ def _shared_manifest(job: "_LoadJob", comm: Comm) -> bytes | None:
             raw = None
     if comm.world_size == 1:
         return raw
-    return comm.broadcast_object(raw, step=f"load from {job.path}, step metadata")
+    where, raw = comm.broadcast_object((_where(job), raw), step=f"load from {job.path}, step metadata")
+    # A rank given another path reads its own (the plan phase then refuses the differing paths).
+    return raw if where == _where(job) else None
+
+
+def _where(job: "_LoadJob") -> str:
+    """The checkpoint a load reads, comparable across ranks: shm:// is per machine, so the same URL
+    is the same checkpoint whatever $OMNICKPT_SHM_DIR is."""
+    return job.path if job.path.startswith("shm://") else job.storage.describe()
 
 
 @dataclasses.dataclass
