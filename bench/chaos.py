@@ -107,7 +107,16 @@ def main() -> int:
         for it in range(args.iterations + 1):
             seen = len(_events(log))
             procs = _launch(root, job, log)
-            time.sleep(rng.uniform(2.0, 5.0))   # start-up and restore take one to two seconds
+            # Start-up takes seconds (more on a loaded machine): wait until this launch restored or
+            # committed something, then kill at a random moment of its saving; one kill in five lands
+            # at a random moment of the start-up and restore instead.
+            if rng.random() < 0.2:
+                time.sleep(rng.uniform(0.5, 3.0))
+            else:
+                up = time.monotonic() + 90
+                while len(_events(log)) == seen and time.monotonic() < up:
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 2.0))
             victims = [rng.choice(procs)] if args.kill_one else procs
             for p in victims:
                 p.send_signal(signal.SIGKILL)
@@ -135,9 +144,11 @@ def main() -> int:
                     counts["wrong"] += wrong
                     print(f"iteration {it}: restored step {step} from {tier} (newest committed before the kill: "
                           f"{newest_before}){' LOST' if lost else ''}{' WRONG VALUES' if wrong else ''}")
-            committed = [e["committed"] for e in _events(log) if "committed" in e]
-            # A step is committed in memory when every rank's save returned: the newest such step.
-            per_rank = {r: max([e["committed"] for e in _events(log) if e.get("rank") == r and "committed" in e],
+            # A step is committed in memory when every rank's save returned: the newest such step of
+            # this launch (earlier launches' steps may have been in a memory wiped since).
+            launch = _events(log)[seen:]
+            committed = [e["committed"] for e in launch if "committed" in e]
+            per_rank = {r: max([e["committed"] for e in launch if e.get("rank") == r and "committed" in e],
                                default=0) for r in (0, 1)}
             newest_before = max(newest_before, min(per_rank.values())) if committed else newest_before
             if rng.random() < args.lose_memory:
