@@ -9,7 +9,9 @@ Adam on a synthetic corpus with structure (a fixed random bigram table), so that
 have the distributions training gives them. Each tensor kind (weights, exp_avg, exp_avg_sq) is cut
 into 1 MiB chunks as a save cuts stored boxes, each chunk compressed on its own on one core. Reports
 the ratio (raw / stored bytes) and MB/s of raw bytes for compression and decompression, medians of
---runs passes. Results to bench/out/compression.json.
+--runs passes. Then the whole path: omnickpt.save(..., compression=codec) of the trained model and
+its Adam state (float32, and the model alone cast to bfloat16), and a load of it: bytes on disk,
+save and load seconds (sync, durable, medians of --runs). Results to bench/out/compression.json.
 """
 from __future__ import annotations
 
@@ -53,7 +55,43 @@ def _train(steps: int):
     kinds = {"weights": [p.detach() for p in model.parameters()],
              "exp_avg": [opt.state[p]["exp_avg"] for p in model.parameters()],
              "exp_avg_sq": [opt.state[p]["exp_avg_sq"] for p in model.parameters()]}
-    return kinds, loss.item()
+    return kinds, loss.item(), model, opt
+
+
+def _save_load(model, opt, runs: int) -> dict:
+    """Save and load through omnickpt with each codec: bytes on disk, seconds (medians)."""
+    import copy
+    import shutil
+    import tempfile
+
+    import torch
+
+    import omnickpt
+    states = {"float32 model+adam": lambda: {"model": model, "optimizer": opt},
+              "bfloat16 model": lambda: {"model": copy.deepcopy(model).to(torch.bfloat16)}}
+    out = {}
+    root = tempfile.mkdtemp(prefix="omnickpt-bench-compression-")
+    try:
+        for label, make in states.items():
+            state = make()
+            for codec in (None, "zstd", "bytesplit-zstd"):
+                saves, loads, size = [], [], 0
+                for run in range(runs):
+                    path = os.path.join(root, f"{label.split()[0]}-{codec}-{run}")
+                    t = time.perf_counter()
+                    omnickpt.save(path, state, compression=codec)
+                    saves.append(time.perf_counter() - t)
+                    size = sum(os.path.getsize(os.path.join(path, "data", f)) for f in os.listdir(os.path.join(path, "data")))
+                    t = time.perf_counter()
+                    omnickpt.load(path, state)
+                    loads.append(time.perf_counter() - t)
+                    shutil.rmtree(path)
+                row = {"bytes_on_disk": size, "save_s": statistics.median(saves), "load_s": statistics.median(loads)}
+                out[f"{label}/{codec}"] = row
+                print(f"{label:<19} {str(codec):<15} {size / 1e6:>9.2f} {row['save_s']:>7.3f} {row['load_s']:>7.3f}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 def _chunks(tensors, dtype) -> tuple[list[memoryview], int]:
@@ -73,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    kinds, loss = _train(args.steps)
+    kinds, loss, model, opt = _train(args.steps)
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s (loss {loss:.2f}); level {args.level}")
     torch.set_num_threads(1)
     doc = {"steps": args.steps, "level": args.level, "runs": args.runs, "loss": loss, "results": {}}
@@ -103,6 +141,9 @@ def main(argv=None) -> int:
                 doc["results"][f"{str(dtype).split('.')[-1]}/{kind}/{codec}"] = row
                 print(f"{str(dtype).split('.')[-1]:<9} {kind:<11} {codec:<15} {ratio:>6.2f} {row['compress_mb_s']:>10.0f} "
                       f"{row['decompress_mb_s']:>12.0f}")
+    torch.set_num_threads(2)
+    print(f"\n{'state':<19} {'codec':<15} {'MB on disk':>9} {'save s':>7} {'load s':>7}")
+    doc["save_load"] = _save_load(model, opt, args.runs)
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     with open(os.path.join(HERE, "out", "compression.json"), "w") as f:
         json.dump(doc, f, indent=1)

@@ -25,11 +25,13 @@ from omnickpt.adapters import check_framework, collect_load, collect_save
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, snapshot
 from omnickpt.engine.load import LANDING_BYTES, check_file_sizes, forward_replicas, land_tensors
-from omnickpt.engine.save import data_file_name, staging_size
+from omnickpt.engine.save import data_file_name, stage_layout
 from omnickpt.engine.staging import gc_paused
+from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
 from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, PlanError, UnsupportedError,
                              rebuild_error)
 from omnickpt.format import DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
+from omnickpt.format.codec import check_codec
 from omnickpt.formats import bind_keys, read_manifest  # read_manifest: part of omnickpt's API
 from omnickpt.steps import step_dir, write_latest
 from omnickpt.lease import acquire
@@ -85,6 +87,17 @@ class SaveHandle:
         # True once wait() handed the outcome (report or error) to the caller: the exit hook then
         # has nothing left to report about this save.
         self.reported = report is not None
+        self._fence: SnapshotFence | None = None   # a lazy snapshot's, until the training thread removes it
+        self._training_thread = threading.get_ident()   # the one that called save()
+
+    def fence(self) -> None:
+        """The training thread: wait until this save's snapshot is complete (a lazy snapshot copies
+        in the background), and take its step hooks off the optimizers. After it, the state may be
+        changed in any way without reaching the checkpoint. wait(), and the Checkpointer's next
+        save() or load(), call it too. Raises nothing about the save itself: wait() does."""
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence.remove(self._timeout)
 
     def done(self) -> bool:
         if self._report is not None:
@@ -96,6 +109,10 @@ class SaveHandle:
         return self._status() is not None
 
     def wait(self, timeout: float | None = None) -> dict:
+        if threading.get_ident() == self._training_thread:
+            self.fence()
+        elif self._fence is not None:   # another thread (a manager's lane, the exit hook) leaves the hooks alone
+            self._fence.wait(self._timeout)
         with self._lock:
             if self._report is not None:
                 return self._report
@@ -133,12 +150,21 @@ class Checkpointer:
     use the module-level save/load), call close() when done."""
 
     def __init__(self, *, process_group: Any = None, io_workers: int = 4, timeout: float = 600.0,
-                 staging_slots: int = 2, landing_bytes: int = LANDING_BYTES):
+                 staging_slots: int = 2, landing_bytes: int = LANDING_BYTES, staging_budget: int | None = None,
+                 release_staging: bool = False):
+        """staging_budget: the most bytes of host memory the staging pool holds (snapshots, the
+        packing of sync saves' small tensors, load landing buffers); a rank's state larger than it
+        is staged in part and the rest written from the tensors' own memory while the snapshot's
+        fence holds (the stall or the held optimizer step grows; the cap holds).
+        release_staging: free the staging memory after each save instead of keeping it warm."""
         self._group = process_group
-        self.landing_bytes = landing_bytes
+        self._pool = StagingPool(staging_slots, staging_budget)
+        self.landing_bytes = landing_bytes if staging_budget is None else min(landing_bytes, self._pool.largest)
+        self.release_staging = release_staging
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="omnickpt-io")
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist")
-        self._pool = StagingPool(staging_slots)
+        self._copier: ThreadPoolExecutor | None = None   # made by the first lazy snapshot (_snapshot_thread)
+        self._fences: list[SnapshotFence] = []   # lazy snapshots whose hooks the training thread has to remove
         self._plans: dict[int, dict[tuple, tuple]] = {}
         self._comms: dict[int, Comm] = {}
         self._inflight: dict[str, SaveHandle] = {}
@@ -167,9 +193,27 @@ class Checkpointer:
                 h.wait()
             except CheckpointError as e:
                 log.error("omnickpt: async save to %s failed and was never waited for: %s", h.path, e)
+        self._await_snapshots()
         self._persist.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._pool.close()
+
+    def _snapshot_thread(self) -> ThreadPoolExecutor:
+        """Where lazy copies run as soon as save() returns, not behind an earlier save's persist on
+        the persist thread: the optimizer step waits for them."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-snapshot")
+        return self._copier
+
+    def _await_snapshots(self) -> None:
+        """The training thread, before a save or load: every lazy snapshot still copying finishes
+        (a load would overwrite tensors not yet copied, a save reuses their staging), and its step
+        hooks come off the optimizers."""
+        fences, self._fences = self._fences, []
+        for f in fences:
+            f.remove(self.timeout)
 
     def __enter__(self):
         return self
@@ -181,16 +225,25 @@ class Checkpointer:
     @gc_paused()   # whole phases make objects by the thousand (engine.staging.gc_paused)
     def save(self, path: str, state: dict, *, async_save: bool = False, process_group: Any = None,
              allow_pickle: bool = False, durable: bool = True, check_replicas: bool = False, role: str | None = None,
-             metadata: dict | None = None, on_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
+             metadata: dict | None = None, on_commit: Callable[[Manifest], None] | None = None,
+             compression: str | None = None, snapshot: str | None = None) -> SaveHandle:
         """Every rank. See omnickpt.save. Phases: collect (adapters, records, objects encoded),
         settle (one all-gather: digests, save id, paths, errors), plan (a gather and a scatter
-        when the plan is not cached), snapshot (the stall ends here), then persist and commit (a
-        gather and a broadcast for a sync save; through storage for an async one)."""
+        when the plan is not cached), snapshot (the stall ends here; a lazy one leaves the copy
+        of parameters and optimizer state to a background thread, behind a SnapshotFence), then
+        persist and commit (a gather and a broadcast for a sync save; through storage for an
+        async one). Waits first for any lazy snapshot of an earlier save here."""
         t_start = time.perf_counter()
+        check_codec(compression)
+        if snapshot not in (None, "lazy", "eager"):
+            raise ValueError(f"snapshot={snapshot!r}: expected 'lazy' (the default of async saves) or 'eager'")
+        lazy = async_save and snapshot != "eager"
+        self._await_snapshots()
         path = str(path)
         comm = self.comm(process_group)
         storage = storage_for(path)
         timer = PhaseTimer()
+        _reset_peak_rss(timer)
         prev = self._inflight.get(storage.describe())
         if prev is not None and not prev.done():
             raise CheckpointError(f"a save to {path} is still in progress; wait() for it before saving there again")
@@ -213,19 +266,36 @@ class Checkpointer:
         with timer.phase("plan"):
             writes, tensor_region, plan = self._global_plan(comm, tuple(g[0] for g in gathered), collected.batch,
                                                             path, tables=[g[4] for g in gathered])
-        snap = self._snapshot(collected, writes, tensor_region, timer, async_save)
-        timer.add("stall", time.perf_counter() - t_start)
+        stable = step_stable_storages(state) if lazy else frozenset()
+        snap, blocking = self._snapshot(collected, writes, tensor_region, timer, async_save, stable)
+        fence = None
+        if snap.deferred is not None or snap.references:
+            # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
+            # written from their own memory stay fenced until written (save() itself waits when
+            # training could change them otherwise than by a step).
+            fence = SnapshotFence(optimizers_in(state) if lazy else [], f"save to {path}")
+            snap.release, snap.blocking = fence.release, blocking
+            self._fences.append(fence)
+            if snap.deferred is not None:
+                self._snapshot_thread().submit(snap.finish, timer)
+        if not snap.blocking:
+            timer.add("stall", time.perf_counter() - t_start)
 
         job = functools.partial(self._persist_and_commit, storage, snap, comm, plan, save_id, collected.layout,
-                                durable, timer, t_start, on_commit, async_save)
+                                durable, timer, t_start, on_commit, async_save, compression=compression,
+                                itemsizes=[collected.shards[w.index].local.element_size() for w in writes]
+                                if compression else ())
         if not async_save:
             report = job()
             return SaveHandle(path, save_id, storage, None, report, comm.is_coordinator, self.timeout)
         future = self._persist.submit(_logging_failures, job, path, comm.rank)
         handle = SaveHandle(path, save_id, storage, future, None, comm.is_coordinator, self.timeout)
+        handle._fence = fence
         # Handles whose outcome was seen are dropped: a manager saves every step to a new path.
         self._inflight = {k: h for k, h in self._inflight.items() if not h.reported}
         self._inflight[storage.describe()] = handle
+        if snap.blocking:
+            fence.wait(self.timeout)   # the background job added the stall, up to here, to the timer
         return handle
 
     def _global_plan(self, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None) -> tuple:
@@ -264,25 +334,38 @@ class Checkpointer:
         return writes, tensor_region, plan
 
     @gc_paused()
-    def _snapshot(self, collected: "_Collected", writes, tensor_region: int, timer: PhaseTimer, async_save: bool):
+    def _snapshot(self, collected: "_Collected", writes, tensor_region: int, timer: PhaseTimer, async_save: bool,
+                  stable: set[int] | frozenset = frozenset()):
         """Every rank, no collective: the part of the save training waits for. Async: copy into a
-        staging buffer (pinned when the source is on a GPU); sync: reference the tensors, small ones
-        packed into a pool buffer (given back after persisting)."""
-        staging = None
+        staging buffer (pinned when the source is on a GPU), the writes of `stable` storages later
+        (lazy: Snapshot.deferred), at most the staging budget (the rest is written from the tensors'
+        own memory); sync: reference the tensors, small ones packed into a pool buffer (given back
+        after persisting). Returns (snapshot, whether save() must wait for the fence: a tensor
+        training may change at any time is written from its own memory)."""
+        staging, layout = None, None
         on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
         if async_save:
-            staging = self._pool.acquire(staging_size(tensor_region, collected.blobs), pin=on_gpu)
+            with timer.phase("snapshot"):
+                layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs, stable=stable,
+                                      room=self._pool.largest)
+            staging = self._pool.acquire(layout.size, pin=on_gpu)
+        room = self._pool.largest
+
+        def pack(nbytes: int) -> torch.Tensor:   # past the budget: memory of its own, freed with the save
+            fits = room is None or nbytes <= room
+            return self._pool.acquire(nbytes) if fits else torch.empty(max(nbytes, 1), dtype=torch.uint8)
         try:
             # A sync save packs its small tensors into a pool buffer (warm pages, given back after persisting).
-            return snapshot(collected.shards, writes, tensor_region, collected.blobs, staging, timer, cuda=on_gpu,
-                            pack=None if async_save else self._pool.acquire)
+            snap = snapshot(collected.shards, writes, tensor_region, collected.blobs, staging, timer, cuda=on_gpu,
+                            pack=None if async_save else pack, layout=layout)
+            return snap, layout is not None and layout.blocking
         except BaseException:
             if staging is not None:
                 self._pool.release(staging)
             raise
 
     def _persist_and_commit(self, storage, snap, comm, plan, save_id, layout, durable, timer, t_start,
-                            on_commit, background):
+                            on_commit, background, compression=None, itemsizes=()):
         """Every rank, after the snapshot (in the background for an async save). The coordinator
         holds the checkpoint path's lease from before any byte is written until after the commit
         and garbage collection, so that a second live job writing the same path is refused instead
@@ -295,25 +378,33 @@ class Checkpointer:
                 locked = e
         try:
             return self._persist_and_commit_owned(storage, snap, comm, plan, save_id, layout, durable, timer,
-                                                  t_start, on_commit, background, lease, locked)
+                                                  t_start, on_commit, background, lease, locked, compression,
+                                                  itemsizes)
         finally:
             if lease is not None:
                 lease.release()
 
     def _persist_and_commit_owned(self, storage, snap, comm, plan, save_id, layout, durable, timer, t_start,
-                                  on_commit, background, lease, locked):
+                                  on_commit, background, lease, locked, compression=None, itemsizes=()):
         try:
             if locked is not None:
                 raise locked
-            result = persist(storage, snap, comm.rank, save_id, self._io, durable=durable, timer=timer)
+            snap.finish(timer)   # a lazy snapshot's copies (made on the copier thread: waited for here)
+            result = persist(storage, snap, comm.rank, save_id, self._io, durable=durable, timer=timer,
+                             compression=compression, itemsizes=itemsizes)
         except Exception as e:
             result = RankResult(comm.rank, None, 0, [], error=f"rank {comm.rank}: {type(e).__name__}: {e}",
                                 error_class=type(e).__name__)
             _discard_own_file(storage, save_id, comm.rank)   # the space comes back now
         finally:
             if snap.staging is not None:
-                self._pool.release(snap.staging)
-        result.timings = timer.as_dict()
+                self._pool.release(snap.staging, keep=not self.release_staging)
+            _count_peak_rss(timer)
+            if snap.blocking:   # save() returns when the fence opens, just below
+                timer.add("stall", time.perf_counter() - t_start)
+            timings = timer.as_dict()
+            snap.settle()   # after the timings: a blocked save() goes on and the training thread uses the timer
+        result.timings = timings
         if background:
             # Background commits talk through storage, not collectives: a collective from this
             # thread could interleave with the training loop's own collectives.
@@ -382,6 +473,9 @@ class Checkpointer:
             report = summarize("save", [r.timings for r in results], total_seconds=time.perf_counter() - t_start)
             report["path"] = storage.describe()
             report["save_id"] = save_id
+            peaks = [r.timings.get("bytes", {}).get("peak_rss") for r in results]
+            if all(p is not None for p in peaks):
+                report["peak_rss_mb"] = [p / 2**20 for p in peaks]
             _put_json(storage, REPORT_NAME, report)
             commit.set_status(storage, save_id)
             collect_garbage(storage, manifest)
@@ -422,6 +516,7 @@ class Checkpointer:
         (match, plan reads, read objects; differences and paths compared), read (land and verify
         every byte: nothing is installed unless every rank's bytes are sound), install."""
         t_start = time.perf_counter()
+        self._await_snapshots()   # a lazy snapshot still copying would copy the loaded values
         path = str(path)
         comm = self.comm(process_group)
         job = _LoadJob(path, storage_for(path), state, PhaseTimer())
@@ -733,6 +828,32 @@ def at_shutdown(fn: Callable[[], None]) -> None:
         pass
 
 
+def _reset_peak_rss(timer: PhaseTimer) -> None:
+    """Start this save's peak-RSS window (Linux: "5" to /proc/self/clear_refs resets VmHWM to the
+    current RSS). Where that is not permitted, the report leaves the peak out (VmHWM would be the
+    whole process's peak, not the save's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return
+    timer.bytes["peak_rss"] = 0
+
+
+def _count_peak_rss(timer: PhaseTimer) -> None:
+    """This process's peak RSS since _reset_peak_rss (VmHWM), as bytes "peak_rss" in `timer`."""
+    if "peak_rss" not in timer.bytes:
+        return
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    timer.bytes["peak_rss"] = int(line.split()[1]) * 1024
+                    return
+    except (OSError, ValueError, IndexError):
+        pass
+
+
 def _discard_own_file(storage: Storage, save_id: str, rank: int) -> None:
     """Best effort: remove this rank's data file of a save that failed."""
     try:
@@ -762,16 +883,23 @@ def default_checkpointer() -> Checkpointer:
 def save(path, state: dict, *, async_save: bool = False, process_group: Any = None, allow_pickle: bool = False,
          durable: bool = True, check_replicas: bool = False, framework: str | None = None,
          fast_saving: bool | None = None, global_steps: int | None = None, callback: Callable[[], None] | None = None,
-         role: str | None = None, metadata: dict | None = None, checkpointer: Checkpointer | None = None) -> SaveHandle:
+         role: str | None = None, metadata: dict | None = None, checkpointer: Checkpointer | None = None,
+         compression: str | None = None, snapshot: str | None = None) -> SaveHandle:
     """Save `state` (a dict of modules, optimizers, stateful objects, tensors, plain values) to `path`.
 
     Every rank of the process group calls it. With async_save=True it returns once the state is
-    copied to host memory; SaveHandle.wait() returns once the checkpoint is committed. The
+    planned and what training can change at any time is copied to host memory; parameters and
+    optimizer state are copied in the background (snapshot="lazy", the default of async saves)
+    while every optimizer's step() waits for that copy, so they must not be edited in place
+    outside an optimizer step before `handle.fence()` (or save with snapshot="eager", which copies
+    everything before returning). SaveHandle.wait() returns once the checkpoint is committed. The
     ByteCheckpoint call shape works too: framework= (checked), fast_saving= (async),
     global_steps=N (saves to PATH/global_step_N and updates PATH/latest), callback= (called with
     no arguments on rank 0 once the checkpoint is committed), role= (recorded in the manifest's
     layout). Any other keyword is a TypeError. check_replicas=True compares every replicated box
     across the ranks that hold it and refuses to save replicas that differ (a forgotten broadcast).
+    compression="zstd" or "bytesplit-zstd" compresses each 1 MiB chunk of tensor data in the
+    background persist (docs/format.md); loads, verify and the readers decompress transparently.
     """
     check_framework(state, framework)
     if fast_saving is not None:
@@ -790,7 +918,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
 
     return ckpt.save(path, state, async_save=async_save, process_group=process_group, allow_pickle=allow_pickle,
                      durable=durable, check_replicas=check_replicas, role=role, metadata=metadata,
-                     on_commit=on_commit if (global_steps is not None or callback is not None) else None)
+                     on_commit=on_commit if (global_steps is not None or callback is not None) else None,
+                     compression=compression, snapshot=snapshot)
 
 
 def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,

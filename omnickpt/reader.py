@@ -53,7 +53,8 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 @dataclass(frozen=True)
 class TensorInfo:
     """What the manifest says about one tensor; `nbytes` is its logical size, `stored_bytes` the
-    bytes its boxes occupy in data files (equal unless a transform selected part of a box)."""
+    bytes its boxes occupy in data files (equal unless a transform selected part of a box or the
+    checkpoint is compressed)."""
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -215,8 +216,10 @@ class CheckpointReader:
         MismatchError naming close names when there is no such tensor."""
         t = self._entry(name)
         dtype = dtype_from_name(t.dtype)
-        return TensorInfo(name, tuple(t.shape), dtype, len(t.boxes), math.prod(t.shape) * dtype.itemsize,
-                          t.nbytes)
+        cols = t.columns
+        # A compressed checkpoint's boxes occupy their stored chunks, not their raw bytes.
+        stored = int(cols.stored.sum()) if cols is not None and cols.stored is not None else t.nbytes
+        return TensorInfo(name, tuple(t.shape), dtype, len(t.boxes), math.prod(t.shape) * dtype.itemsize, stored)
 
     def _entry(self, name: str):
         entry = self._manifest.tensors.get(name)

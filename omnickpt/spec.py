@@ -23,12 +23,13 @@ class ShardSpec:
     name: str | None = None
 
     def __post_init__(self):
-        self.offsets = tuple(int(o) for o in self.offsets)
-        self.global_shape = tuple(int(s) for s in self.global_shape)
-        shape = tuple(self.local.shape)
+        # map, not generators: hand-sharded states make these by the 10^5
+        self.offsets = tuple(map(int, self.offsets))
+        self.global_shape = tuple(map(int, self.global_shape))
+        shape = self.local.shape
         if not (len(self.offsets) == len(self.global_shape) == len(shape)):
-            raise ValueError(f"ShardSpec {self.name or ''}: local shape {shape}, offsets {self.offsets} and "
+            raise ValueError(f"ShardSpec {self.name or ''}: local shape {tuple(shape)}, offsets {self.offsets} and "
                              f"global shape {self.global_shape} must have the same number of dimensions")
         if any(o < 0 or o + n > g for o, n, g in zip(self.offsets, shape, self.global_shape)):
-            raise ValueError(f"ShardSpec {self.name or ''}: box at {self.offsets} of shape {shape} does not fit "
+            raise ValueError(f"ShardSpec {self.name or ''}: box at {self.offsets} of shape {tuple(shape)} does not fit "
                              f"in the global shape {self.global_shape}")

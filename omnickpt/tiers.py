@@ -730,6 +730,6 @@ def merge_node_manifests(nodes: Sequence[tuple[Manifest, dict[int, tuple[str, in
         t.boxes.sort(key=lambda b: b.offsets)
     world = world_size if world_size is not None else len(nodes) * ranks_per_node
     layout = dict(nodes[0][0].layout, world_size=world, ranks_per_node=ranks_per_node) if nodes else {}
-    extra = {"chunk_bytes": nodes[0][0].chunk_bytes} if nodes else {}
+    extra = {"chunk_bytes": nodes[0][0].chunk_bytes, "compression": nodes[0][0].compression} if nodes else {}
     return Manifest(save_id=save_id, world_size=world, files=files, tensors=tensors, objects=objects,
                     layout=layout, tool_version=tool_version, created=time.time(), **extra)

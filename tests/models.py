@@ -151,8 +151,9 @@ def full_values(model, opt) -> dict:
 
 
 def two_rank_fsdp2_roundtrip(rank, world_size, sync_url, async_url):
-    """run_ranks body: FSDP2 saves to both URLs (sync, then async with the parameters zeroed right
-    after the call), loads each back into fresh objects; returns (saved values, {url: names that differ})."""
+    """run_ranks body: FSDP2 saves to both URLs (sync, then async with a lazy snapshot and two
+    optimizer steps right after the call), loads each back into fresh objects; returns (saved
+    values, {url: names that differ})."""
     import omnickpt
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", torch.arange(world_size))
@@ -161,9 +162,8 @@ def two_rank_fsdp2_roundtrip(rank, world_size, sync_url, async_url):
     omnickpt.save(sync_url, {"model": model, "optimizer": opt}).wait()
     # async: the commit goes through storage (the coordinator polls for the ranks' records)
     handle = omnickpt.save(async_url, {"model": model, "optimizer": opt}, async_save=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.0)               # after the snapshot: must not reach the checkpoint
+    stepped(model, opt)               # training goes on: the step waits for the lazy copy, never reaches it
+    stepped(model, opt)
     handle.wait()
     out = {}
     for url in (sync_url, async_url):

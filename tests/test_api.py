@@ -41,20 +41,21 @@ def _ddp_scenarios(rank, world_size, root):
     # 2. async saves: the checkpoint holds the values at the time of the call, even though the
     # parameters change right after it returns and a second save starts before the first commits.
     before = comm.collectives
-    h1 = ckpt.save(f"{root}/c1", {"model": model, "optimizer": opt}, async_save=True)
+    h1 = ckpt.save(f"{root}/c1", {"model": model, "optimizer": opt}, async_save=True,
+                   snapshot="eager")   # the parameters are edited by hand right after: the eager contract
     async_first = comm.collectives - before
     snap1 = {k: v.clone() for k, v in model.module.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     before = comm.collectives
-    h2 = ckpt.save(f"{root}/c2", {"model": model, "optimizer": opt}, async_save=True)
+    h2 = ckpt.save(f"{root}/c2", {"model": model, "optimizer": opt}, async_save=True, snapshot="eager")
     async_second = comm.collectives - before
     snap2 = {k: v.clone() for k, v in model.module.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.0)
-    rep1, rep2 = h1.wait(), h2.wait()
+    rep1, _ = h1.wait(), h2.wait()
     out["async_collectives"] = (async_first, async_second)
     out["async_reports"] = (rep1["save_id"] if rank == 0 else None, "stall" in rep1["phases"])
     for path, snap in ((f"{root}/c1", snap1), (f"{root}/c2", snap2)):

@@ -23,7 +23,6 @@ import omnickpt
 from omnickpt import (CheckpointError, CheckpointManager, CorruptCheckpointError, MismatchError, NotCommittedError,
                       UnsafeCheckpointError, UnsupportedError)
 from omnickpt.cli import main as cli
-from omnickpt.storage import storage_for
 
 
 def _model(seed: int) -> nn.Module:

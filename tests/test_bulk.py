@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from omnickpt.errors import MismatchError
 from omnickpt.format import Manifest, SavedBox, TensorEntry
 from omnickpt.format.manifest import FileEntry, Sums
 from omnickpt.layout import Box, BoxIndex, flat_range_to_boxes, intersect
@@ -184,3 +185,89 @@ def test_sync_save_packs_small_tensors_with_zero_gaps(tmp_path):
         back = {k: spec(torch.zeros_like(v.local)) for k, v in state.items()}
         ckpt.load(str(tmp_path / "c"), back)
     assert all(torch.equal(back[k].local, v.local) for k, v in state.items())
+
+
+def _columns_manifest(rng: random.Random, tensors: dict) -> Manifest:
+    """A manifest of several tensors ({name: (shape, boxes)}), encoded and decoded: its entries hold
+    columns only, as a load sees them."""
+    entries, off = {}, 0
+    for name, (shape, boxes) in tensors.items():
+        saved = []
+        for b in boxes:
+            nb = b.numel * 4
+            saved.append(SavedBox.stored(b.offsets, b.lengths, 0, off, nb, [rng.getrandbits(32)] if nb else []))
+            off += nb
+        entries[name] = TensorEntry(shape, "float32", saved)
+    data = Manifest("s", 1, [FileEntry("data/f.bin", 0, off)], entries, {}).encode()
+    return Manifest.decode(data)
+
+
+def test_bulk_plan_reads_of_many_small_tensors_equals_the_scalar_plan():
+    # Hundreds of tensors of few boxes each (0-d to 3-d, empty boxes among them), several wanted
+    # boxes per tensor in a shuffled order: the one-pass numpy plan gives the scalar plan's items.
+    rng = random.Random(21)
+    for case in range(20):
+        tensors = {}
+        for t in range(rng.randint(1, 200)):
+            shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 3)))
+            boxes = _tiling(rng, shape)
+            if len(boxes) >= _INDEX_FROM:
+                boxes = [Box.full(shape)]
+            tensors[f"t{t}"] = (shape, boxes)
+        wanted = [(n, Box.full(s)) for n, (s, _) in tensors.items()]
+        wanted += [(n, q) for n, (s, _) in tensors.items() for q in [_random_box(rng, s)] if q.numel]
+        rng.shuffle(wanted)
+        data = _columns_manifest(rng, tensors).encode()
+        got = plan_reads(Manifest.decode(data), wanted)
+        assert got == _scalar_plan(Manifest.decode(data), wanted), case
+
+
+def test_plan_reads_lists_every_gap_in_wanted_order_whatever_the_path():
+    rng = random.Random(2)
+    rows = [Box((r, 0), (1, 4)) for r in range(32) if r != 17]            # indexed: 31 boxes
+    small = [Box((0, 0), (2, 3))]                                           # bulk: rows 2..3 missing
+    m = _columns_manifest(rng, {"big": ((32, 4), rows), "small": ((4, 3), small)})
+    wanted = [("small", Box.full((4, 3))), ("gone", Box((0,), (1,))), ("big", Box.full((32, 4))),
+              ("small", Box((0, 0), (2, 3)))]
+    with pytest.raises(MismatchError) as e:
+        plan_reads(m, wanted)
+    gaps = e.value.differences
+    assert [g.split(":")[0] for g in gaps] == ["small", "gone", "big"]
+    assert "holds only 6 of the 12 elements" in gaps[0] and "holds only 124 of the 128 elements" in gaps[2]
+
+
+def test_overlap_sweep_finds_exactly_the_overlapping_layouts():
+    # Layouts where several dimensions vary (grids, random boxes) go through the numpy sweep: it
+    # must refuse exactly the box sets in which some pair shares an element, naming such a pair.
+    from omnickpt.format.manifest import overlap_problem_arrays
+    rng = random.Random(8)
+    refused = 0
+    for case in range(CASES):
+        shape = tuple(rng.randint(1, 10) for _ in range(rng.randint(1, 3)))
+        boxes = _tiling(rng, shape) if rng.random() < 0.6 else [_random_box(rng, shape) for _ in range(rng.randint(2, 90))]
+        if rng.random() < 0.5 and boxes:
+            boxes.append(_random_box(rng, shape))
+        boxes = [b for b in boxes if b.numel]
+        if len(boxes) < 2:
+            continue
+        clash = any(intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        lo = np.array([b.offsets for b in boxes], dtype=np.int64)
+        ln = np.array([b.lengths for b in boxes], dtype=np.int64)
+        problem = overlap_problem_arrays(lo, ln)
+        assert (problem is not None) == clash, (case, shape, boxes)
+        if problem:
+            refused += 1
+            a, b = (Box(*(tuple(int(x) for x in half.strip("[] ").split(",")) for half in part.split("+")))
+                    for part in problem.removeprefix("boxes ").removesuffix(" overlap").split(" and "))
+            assert a in boxes and b in boxes and intersect(a, b) is not None
+    assert refused > 30
+
+
+def test_overlap_sweep_on_a_large_grid_with_one_moved_box():
+    from omnickpt.format.manifest import overlap_problem_arrays
+    g = 300   # 90 000 boxes of 2 x 2
+    offs = (np.stack(np.meshgrid(np.arange(g), np.arange(g), indexing="ij"), -1).reshape(-1, 2) * 2).astype(np.int64)
+    lens = np.full_like(offs, 2)
+    assert overlap_problem_arrays(offs, lens) is None
+    offs[g * g // 2, 1] += 1
+    assert "overlap" in overlap_problem_arrays(offs, lens)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import omnickpt
 from dist import run_ranks
-from omnickpt.adapters.dataloader import StatefulDataLoaderState
 from omnickpt.adapters.dataloader import load_dataloader, save_dataloader
 from omnickpt.data import PackedTokenLoader, ReshardableSampler, reshard_sampler_state
 from omnickpt.errors import CheckpointError, MismatchError, UnsupportedError

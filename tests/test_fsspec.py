@@ -19,8 +19,8 @@ pytest.importorskip("fsspec")
 
 import omnickpt  # noqa: E402
 from dist import run_ranks  # noqa: E402
-from models import ToyMLP, apply_layout  # noqa: E402
-from models import full_values as _full_values, stepped as _stepped, toy as _toy  # noqa: E402
+from models import ToyMLP  # noqa: E402
+from models import full_values as _full_values, toy as _toy  # noqa: E402
 from models import two_rank_fsdp2_roundtrip as _two_rank_fsdp2  # noqa: E402
 from omnickpt.cli.verify import verify  # noqa: E402
 from omnickpt.storage import Segment, storage_for  # noqa: E402
@@ -161,7 +161,8 @@ def test_save_load_sync_async_and_manager(url):
     assert _differing(expected, _load_plain(f"{url}/sync")) == []
 
     # async: the checkpoint holds the values of the call, though training changes them right after
-    handle = omnickpt.save(f"{url}/async", {"model": model, "optimizer": opt}, async_save=True)
+    handle = omnickpt.save(f"{url}/async", {"model": model, "optimizer": opt}, async_save=True,
+                           snapshot="eager")   # edited by hand right after: the eager contract
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

@@ -70,7 +70,7 @@ def _ext_chain(levels: int) -> bytes:
 def test_deeply_nested_payloads_raise_instead_of_crashing_the_process():
     # Before the bound, msgpack's ext_hook recursed once per level in C: a few hundred levels
     # overflowed the C stack (SIGSEGV). In a subprocess, so that a crash cannot take pytest down.
-    result = _run_python(f"""
+    result = _run_python("""
         import msgpack
         from omnickpt.errors import CheckpointError
         from omnickpt.format.objects import decode_object, validate_object

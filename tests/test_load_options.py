@@ -2,7 +2,6 @@
 strict=False that covers the optimizer, and metadata stored with the checkpoint."""
 from __future__ import annotations
 
-import json
 
 from omnickpt.format import manifest_document
 import os

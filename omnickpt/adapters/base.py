@@ -29,10 +29,11 @@ class TensorShard:
     def __post_init__(self):
         # Checked here, whatever adapter built the record (as Megatron's ShardedTensor does): a
         # wrong box would save or load the wrong elements without any other sign.
-        if len(self.box.offsets) != len(self.shape) or not self.box.within(self.shape):
-            raise UnsupportedError(f"tensor {self.name!r}: box offsets={list(self.box.offsets)} "
-                                   f"lengths={list(self.box.lengths)} does not lie in its shape {list(self.shape)}")
-        if tuple(self.local.shape) != self.box.lengths:
+        box, shape = self.box, self.shape
+        if len(box.offsets) != len(shape) or not box.within(shape):
+            raise UnsupportedError(f"tensor {self.name!r}: box offsets={list(box.offsets)} "
+                                   f"lengths={list(box.lengths)} does not lie in its shape {list(shape)}")
+        if self.local.shape != box.lengths:
             raise UnsupportedError(f"tensor {self.name!r}: local data of shape {tuple(self.local.shape)} does not "
                                    f"match its box lengths {list(self.box.lengths)}")
 
@@ -131,15 +132,24 @@ def is_dtensor(t: Any) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _dtensor_box(shape: tuple, mesh, placements: tuple) -> Box | None:
-    """This rank's box of a DTensor of `shape` laid out by (mesh, placements).
+# What _dtensor_box returns for a layout with a Partial placement (not one box of a global tensor).
+_PARTIAL = "partial"
 
-    A pure function of its arguments within one process (the rank's mesh coordinate is fixed), so
-    it is memoised: computing it costs ~0.3 ms per tensor, which made every save of a model with
-    hundreds of sharded tensors stall for tens of milliseconds. It is what DTensor's own
-    __create_chunk_list__ (DCP's protocol) computes; None when that helper is not importable.
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dtensor_box(shape: tuple, mesh, placements: tuple, coordinate: tuple | None) -> Box | str | None:
+    """This rank's box of a DTensor of `shape` laid out by (mesh, placements), whose coordinate in
+    the mesh is `coordinate`; _PARTIAL for a Partial placement.
+
+    A pure function of its arguments, so it is memoised: computing it costs ~0.3 ms per tensor,
+    which made every save of a model with hundreds of sharded tensors stall for tens of
+    milliseconds, and even the Partial test costs a microsecond per tensor that 10^4 tensors feel.
+    It is what DTensor's own __create_chunk_list__ (DCP's protocol) computes; None when that
+    helper is not importable.
     """
+    from torch.distributed.tensor import Partial
+    if any(isinstance(p, Partial) for p in placements):
+        return _PARTIAL
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:
@@ -151,25 +161,32 @@ def _dtensor_box(shape: tuple, mesh, placements: tuple) -> Box | None:
 def dtensor_shards(name: str, t) -> list[TensorShard]:
     """The box this rank holds of a DTensor (or ShardSpec)."""
     if isinstance(t, ShardSpec):
-        box = Box(t.offsets, tuple(int(n) for n in t.local.shape))
-        return [TensorShard(t.name or name, t.global_shape, t.local.dtype, box, t.local.detach())]
-    from torch.distributed.tensor import Partial
-    if any(isinstance(p, Partial) for p in t.placements):
+        box = Box(t.offsets, tuple(t.local.shape))
+        local = t.local
+        return [TensorShard(t.name or name, t.global_shape, local.dtype, box,
+                            local.detach() if local.requires_grad else local)]
+    shape = tuple(t.shape)
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()   # a list, or None off the mesh
+    box = _dtensor_box(shape, mesh, tuple(t.placements), None if coordinate is None else tuple(coordinate))
+    if box is _PARTIAL:
         raise UnsupportedError(f"tensor {name!r} is a DTensor with a Partial placement; reduce it before saving")
-    box = _dtensor_box(tuple(t.shape), t.device_mesh, tuple(t.placements))
-    # The local shard itself: to_local() is an autograd function (a dispatch per tensor on the
-    # stall path); under a DTensor the local tensor is its _local_tensor.
-    local = t._local_tensor if not t.requires_grad and hasattr(t, "_local_tensor") else t.to_local()
+    # The local shard itself, without to_local() (an autograd function: a dispatch per tensor on
+    # the stall path) or detach() of the DTensor (another): a save reads it and a load writes it in
+    # place, neither wants a graph. A local tensor that requires grad itself is detached (cheap).
+    local = getattr(t, "_local_tensor", None)
+    if local is None:
+        local = t.to_local().detach()
+    elif local.requires_grad:
+        local = local.detach()
     if box is None:
         chunks = t.__create_chunk_list__()
         if len(chunks) != 1:
             raise UnsupportedError(f"tensor {name!r}: DTensor local shard is not one regular box ({len(chunks)} chunks)")
         box = Box(tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes))
-    if tuple(local.shape) != box.lengths:
-        raise UnsupportedError(f"tensor {name!r}: local shape {tuple(local.shape)} differs from its box {box}")
     # An empty box (uneven shards leave some ranks nothing) is kept: it tells the loader the
-    # tensor is wanted here, and it plans no reads or writes.
-    return [TensorShard(name, tuple(t.shape), t.dtype, box, local)]
+    # tensor is wanted here, and it plans no reads or writes. TensorShard checks the local shape.
+    return [TensorShard(name, shape, t.dtype, box, local)]
 
 
 def empty_claim(name: str, entry) -> TensorShard:

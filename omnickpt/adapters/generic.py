@@ -96,18 +96,19 @@ def parse_per_rank_name(name: str) -> tuple[str, int] | None:
 
 def save_value(key: str, value: Any, min_tensor_bytes: int = MIN_TENSOR_BYTES) -> SaveItems:
     items = SaveItems()
+    if is_dtensor(value):
+        # A DTensor or ShardSpec entry is its own box: no object (10^5 ShardSpec entries are common).
+        items.shards.extend(dtensor_shards(key, value))
+        return items
     raw = value.state_dict() if is_stateful(value) else value
-    rank = process_rank()
 
     def large(path: str, t: torch.Tensor) -> str | None:
         # A tensor the format cannot store stays in the value, whose encoding refuses it by path.
         if tensor_problem(t) is not None or t.nbytes < min_tensor_bytes:
             return None
-        return per_rank_name(path, rank)
+        return per_rank_name(path, process_rank())   # asked only here: it costs microseconds per entry
 
-    skeleton = split_tensors(raw, key, items.shards, large)
-    if not is_dtensor(value):
-        items.objects[key] = skeleton
+    items.objects[key] = split_tensors(raw, key, items.shards, large)
     return items
 
 

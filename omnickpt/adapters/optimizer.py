@@ -290,7 +290,8 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 if isinstance(cur, torch.Tensor) and tuple(cur.shape) == entry.shape and cur.dtype == dtype:
                     dest = cur.detach()
                 elif tuple(p.shape) == entry.shape:
-                    dest = torch.zeros_like(p.detach(), dtype=dtype)
+                    # zeros_like makes no graph (no detach first: a dispatch per DTensor)
+                    dest = torch.zeros_like(p, dtype=dtype, requires_grad=False)
                 elif _param_changed(manifest, modules, par.names[0], p) or (
                         math.prod(entry.shape) > 1 and math.prod(entry.shape) >= p.numel()):
                     # The parameter changed shape since the save (the module reports it too), so
@@ -359,7 +360,9 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             groups, start = [], 0
             for sg, tg in zip(saved["param_groups"], optimizer.param_groups):
                 count = len(tg["params"])
-                groups.append({**sg, "params": list(range(start, start + count))})
+                # A range, not a list: load_state_dict looks each state entry's index up in its
+                # group's "params" (`in`), which is a scan of a list: 18k entries took a second.
+                groups.append({**sg, "params": range(start, start + count)})
                 start += count
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -79,6 +79,7 @@ def describe_manifest(m: Manifest, path: str, *, boxes: bool = False, filters: S
         "format": m.layout.get("format", "omnickpt"),
         "format_version": m.version,
         "chunk_bytes": m.chunk_bytes if m.version >= 2 else None,
+        "compression": getattr(m, "compression", None),
         "tool_version": m.tool_version,
         "save_id": m.save_id,
         "created": m.created,
@@ -239,6 +240,9 @@ def _layout_lines(doc: dict) -> list[str]:
                    .strftime("%Y-%m-%d %H:%M:%S UTC") if doc["created"] else "an unknown time")
         lines = [f"  save id {doc['save_id']}, format version {doc['format_version']}, written by omnickpt "
                  f"{doc['tool_version'] or '?'} at {created}"]
+        if doc.get("compression"):
+            lines.append(f"  compressed with {doc['compression']}: {doc['totals']['tensor_bytes']:,} tensor bytes in "
+                         f"{doc['totals']['file_bytes']:,} file bytes")
     else:
         lines = [f"  format: {_FORMAT_NAMES.get(fmt, fmt)} (read without conversion)"]
     lines.append(f"  saved by {doc['world_size']} rank(s); frameworks: "

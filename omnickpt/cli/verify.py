@@ -85,7 +85,7 @@ def spans_of(manifest: Manifest) -> list[Span]:
             what = f"tensor {name!r} box offsets={list(b.offsets)} lengths={list(b.lengths)}"
             grid = b.sums
             for i, crc in enumerate(grid.crcs):
-                lo, hi = grid.chunk(i)
+                lo, hi = grid.file_chunk(i)   # a compressed chunk's CRC covers its stored bytes
                 where = what if len(grid.crcs) == 1 else f"{what} bytes [{lo}, {hi})"
                 spans.append(Span(b.file, lo, hi - lo, crc, where))
     for key, entries in manifest.objects.items():
@@ -117,6 +117,9 @@ def verify(path: str, *, workers: int | None = None, chunk_bytes: int = CHUNK_BY
             f"format version {manifest.version}: one checksum per box, not per chunk, so a load that reads part of a "
             "box (any resharded load) must read the whole box to verify it; saving the state again writes "
             "version 2")
+    if manifest.compression:
+        report.notes.append(f"tensor data compressed with {manifest.compression}: each chunk's checksum covers its "
+                            "stored (compressed) bytes, checked without decompressing")
     unchecked = sum(b.sums is None for t in manifest.tensors.values() for b in t.boxes)
     if unchecked:
         report.notes.append(

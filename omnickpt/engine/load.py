@@ -2,6 +2,7 @@
 anything is copied into the destination tensors."""
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Sequence
@@ -11,7 +12,8 @@ import torch
 from omnickpt.engine.staging import StagingPool, checksums, copy_bytes, gc_paused, plain_bytes
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format import Manifest, checksum, decode_object
-from omnickpt.format.manifest import WindowBox
+from omnickpt.format.codec import decompress_into
+from omnickpt.format.manifest import Sums, WindowBox
 from omnickpt.layout import Box, contiguous_start, relative, row_major_strides
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem
@@ -31,6 +33,35 @@ MAX_REQUEST = 64 << 20
 LANDING_BYTES = 4 << 30
 # Below this many bytes, checksumming on the calling thread beats handing chunks to the pool.
 _PARALLEL_BYTES = 8 << 20
+
+
+def stored_grids(manifest: Manifest, items: Sequence[ReadItem]) -> Sequence[ReadItem]:
+    """`items` whose boxes carry their whole chunk grid. The load planner builds a box's Sums from
+    the CRC columns alone; a compressed box's grid also needs its stored lengths and codec, taken
+    here from the manifest's row of that box (same tensor, file and first byte)."""
+    if not manifest.compression:
+        return items
+    out, rows = list(items), {}
+    for i, it in enumerate(items):
+        sums = it.saved.sums
+        if sums is None or sums.stored is not None or it.saved.file == ZERO_FILL:
+            continue
+        found = rows.get(it.name)
+        if found is None:
+            entry = manifest.tensors.get(it.name)
+            cols = entry.columns if entry is not None else None
+            if cols is None or cols.stored is None:
+                raise CorruptCheckpointError(f"tensor {it.name!r}: the compressed checkpoint's manifest holds no stored "
+                                             "chunk lengths for it; the manifest is damaged")
+            found = rows[it.name] = (cols, {(f, o): r for r, (f, o) in
+                                            enumerate(zip(cols.file.tolist(), cols.offset.tolist()))})
+        cols, at = found
+        r = at.get((it.saved.file, sums.start))
+        if r is None:
+            raise CorruptCheckpointError(f"tensor {it.name!r}: no stored box at byte {sums.start} of file "
+                                         f"{it.saved.file}; the manifest is damaged")
+        out[i] = dataclasses.replace(it, saved=dataclasses.replace(it.saved, sums=cols.sums(r)))
+    return out
 
 
 def _dest_view(item: ReadItem, dest_box: Box, dest: torch.Tensor) -> torch.Tensor:
@@ -72,7 +103,8 @@ def _need(i: int, item: ReadItem, itemsize: int, verify: bool, strides_of: dict)
     lo, hi = sb.offset + first * itemsize, sb.offset + (last + 1) * itemsize
     land_lo, land_hi = lo, hi
     sums = sb.sums
-    if verify and sums is not None:
+    # A compressed chunk decompresses whole, verified or not.
+    if sums is not None and (verify or sums.stored is not None):
         size = sums.size
         land_lo = sums.start + (lo - sums.start) // size * size
         land_hi = min(sums.end, sums.start - (-(hi - sums.start) // size) * size)
@@ -81,26 +113,35 @@ def _need(i: int, item: ReadItem, itemsize: int, verify: bool, strides_of: dict)
 
 @dataclass
 class _Extent:
-    """File bytes [start, end) of one file, read into `buf` (one landing buffer)."""
+    """File bytes [start, end) of one file, read into `buf` (one landing buffer). For a compressed
+    box (`sums` set) [start, end) are raw bytes of that one box (Sums: its chunks lie elsewhere in
+    the file); its stored chunks are read, verified and decompressed into `buf`."""
     file: int
     start: int
     end: int
     needs: list[_Need]
     buf: torch.Tensor | None = None
+    sums: Sums | None = None
 
 
-def _extents(needs: list[tuple[int, _Need]]) -> list[_Extent]:
-    """Group (file, need) pairs into landing buffers: ranges of one file that overlap or lie within
-    COALESCE_GAP of each other share one buffer (two items of one stored box, a fused QKV box
-    read as three windows, neighbouring boxes of one rank)."""
+def _extents(needs: list[tuple[int, _Need, Sums | None]]) -> list[_Extent]:
+    """Group (file, need, compressed box's grid or None) into landing buffers: ranges of one file
+    that overlap or lie within COALESCE_GAP of each other share one buffer (two items of one
+    stored box, a fused QKV box read as three windows, neighbouring boxes of one rank). The raw
+    coordinates of compressed boxes are their own, so such a buffer holds one box only."""
     out: list[_Extent] = []
-    for fi, n in sorted(needs, key=lambda x: (x[0], x[1].land_lo)):
+
+    def key(x):
+        return (x[0], -1 if x[2] is None else x[2].start, x[1].land_lo)
+
+    for fi, n, sums in sorted(needs, key=key):
         cur = out[-1] if out else None
-        if cur is not None and cur.file == fi and n.land_lo <= cur.end + COALESCE_GAP:
+        if (cur is not None and cur.file == fi and (cur.sums is sums or cur.sums == sums)
+                and n.land_lo <= cur.end + COALESCE_GAP):
             cur.end = max(cur.end, n.land_hi)
             cur.needs.append(n)
         else:
-            out.append(_Extent(fi, n.land_lo, n.land_hi, [n]))
+            out.append(_Extent(fi, n.land_lo, n.land_hi, [n], sums=sums))
     return out
 
 
@@ -117,6 +158,56 @@ def _fetch(storage: Storage, manifest: Manifest, ext: _Extent, lo: int, hi: int,
     except CorruptCheckpointError as e:
         within = [n for n in ext.needs if n.land_lo < hi and lo < n.land_hi]
         raise CorruptCheckpointError(f"{e} (reading {_describe(items, within)})") from None
+
+
+def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items: Sequence[ReadItem], verify: bool,
+                      executor: Executor | None) -> int:
+    """Read the stored chunks behind ext's raw bytes in one request, check each one's CRC (of the
+    stored bytes, so damage is named before any decompression), decompress them into ext.buf.
+    Returns the file bytes read."""
+    sums = ext.sums
+    first = (ext.start - sums.start) // sums.size
+    count = -(-(ext.end - sums.start) // sums.size) - first
+    lo, hi = sums.file_chunk(first)[0], sums.file_chunk(first + count - 1)[1]
+    stored = bytearray(hi - lo)
+    path = manifest.files[ext.file].path
+    try:
+        storage.read_into(path, lo, [memoryview(stored)])
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{e} (reading {_describe(items, ext.needs)})") from None
+    out = memoryview(ext.buf.numpy())
+    pieces = []
+    for c in range(first, first + count):
+        a, b = sums.file_chunk(c)
+        ra, rb = sums.chunk(c)
+        pieces.append((c, memoryview(stored)[a - lo:b - lo], out[ra - ext.start:rb - ext.start], a, b))
+    if verify:
+        got = checksums([p[1] for p in pieces], executor)
+        for (c, _, _, a, b), crc in zip(pieces, got):
+            if crc != sums.crcs[c]:
+                ra, rb = sums.chunk(c)
+                within = [n for n in ext.needs if n.land_lo < rb and ra < n.land_hi]
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {storage.describe(path)} at bytes [{a}, {b}) (compressed chunk {c}) for "
+                    f"{_describe(items, within)} (stored {sums.crcs[c]:#010x}, read {crc:#010x}): the data file is "
+                    "corrupt; nothing was loaded from it. Restore the file or load an earlier checkpoint")
+
+    def unpack(piece) -> None:
+        c, data, dst, a, b = piece
+        if len(data) == len(dst):   # stored raw: compression did not pay for this chunk
+            dst[:] = data
+        else:
+            decompress_into(data, sums.codec, sums.itemsize, dst,
+                            f"{storage.describe(path)} bytes [{a}, {b}) (compressed chunk {c} of "
+                            f"{_describe(items, ext.needs)})")
+
+    if executor is None or len(pieces) <= 1:
+        for p in pieces:
+            unpack(p)
+    else:
+        for f in [executor.submit(unpack, p) for p in pieces]:
+            f.result()
+    return hi - lo
 
 
 def _read_direct(storage: Storage, manifest: Manifest, direct: list[tuple[int, _Need, torch.Tensor]],
@@ -178,6 +269,8 @@ def _verify(storage: Storage, manifest: Manifest, batch: Sequence[_Extent], item
     tasks, so many mid-sized boxes (a resharded load) spread over the threads too."""
     checks, views = [], []
     for ext in batch:
+        if ext.sums is not None:
+            continue   # compressed: verified before decompression (_fetch_compressed)
         data, start = memoryview(ext.buf.numpy()), ext.start
         chunks = _chunks_to_check(ext, items)
         checks += [(ext, c) for c in chunks]
@@ -299,6 +392,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     rank's bytes fit in `budget`; past it, batches of `budget` bytes are installed as they verify
     (a corrupt byte is still never installed) and the last one waits for install(). Landing
     memory comes from `pool` when given (see `_buffers`)."""
+    items = stored_grids(manifest, items)
     acquire, release = _buffers(pool)
     strides_of: dict[tuple, tuple] = {}
     held: list[torch.Tensor] = []   # the batch buffer in use, at most one
@@ -310,14 +404,16 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             zeros.append(i)
             continue
         need = _need(i, it, dests[it.dest].element_size(), verify, strides_of)
-        if not verify or it.saved.sums is None:
+        sums = it.saved.sums
+        packed = sums if sums is not None and sums.stored is not None else None
+        if (not verify or sums is None) and packed is None:
             # Nothing to verify (a foreign format has no checksums): landing would buy nothing but
             # a copy, so a contiguous region is read straight into its destination.
             view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
             if view.is_contiguous() and view.device.type == "cpu" and need.hi - need.lo == view.numel() * view.element_size():
                 direct.append((it.saved.file, need, view))
                 continue
-        needs.append((it.saved.file, need))
+        needs.append((it.saved.file, need, packed))
     batches: list[list[_Extent]] = [[]]
     size = 0
     for ext in _extents(needs):
@@ -336,9 +432,12 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
                 total = (total + ext.end - ext.start + 63) // 64 * 64
             buf = acquire(total)
             held.append(buf)
-            requests = []
+            requests, packed = [], []
             for ext, off in zip(batch, offsets):
                 ext.buf = buf[off:off + ext.end - ext.start]
+                if ext.sums is not None:
+                    packed.append(ext)
+                    continue
                 requests += [(ext, a, min(a + MAX_REQUEST, ext.end)) for a in range(ext.start, ext.end, MAX_REQUEST)]
             if executor is None or len(requests) <= 1:
                 for r in requests:
@@ -346,7 +445,17 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             else:
                 for f in [executor.submit(_fetch, storage, manifest, *r, items) for r in requests]:
                     f.result()
-            timer.count("read", sum(ext.end - ext.start for ext in batch))
+            # Small compressed boxes (a few chunks) are tasks of their own; a large one spreads its
+            # chunks over the threads (never both: a task waiting for tasks of the same pool could deadlock).
+            small = [e for e in packed if e.end - e.start <= 2 * e.sums.size]
+            large = [e for e in packed if e.end - e.start > 2 * e.sums.size]
+            if executor is None or len(small) <= 1:
+                read_bytes = sum(_fetch_compressed(storage, manifest, e, items, verify, None) for e in small)
+            else:
+                read_bytes = sum(f.result() for f in [executor.submit(_fetch_compressed, storage, manifest, e, items,
+                                                                      verify, None) for e in small])
+            read_bytes += sum(_fetch_compressed(storage, manifest, e, items, verify, executor) for e in large)
+            timer.count("read", read_bytes + sum(ext.end - ext.start for ext in batch if ext.sums is None))
         if verify:
             with timer.phase("verify"):
                 _verify(storage, manifest, batch, items, executor)
@@ -492,11 +601,13 @@ def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadI
 
     `object_ranges` holds (object key, ObjectEntry) pairs. One size query per file.
     """
+    items = stored_grids(manifest, items)
     ends: dict[int, int] = {}   # file -> the end of the last byte needed there
     for it in items:
         sb = it.saved
-        if sb.file >= 0 and ends.get(sb.file, -1) < sb.offset + sb.nbytes:
-            ends[sb.file] = sb.offset + sb.nbytes
+        end = sb.sums.file_end if sb.sums is not None and sb.sums.stored is not None else sb.offset + sb.nbytes
+        if sb.file >= 0 and ends.get(sb.file, -1) < end:
+            ends[sb.file] = end
     objects = [(key, e) for key, e in object_ranges if e.inline is None]
     for _, e in objects:
         ends[e.file] = max(ends.get(e.file, -1), e.offset + e.nbytes)
@@ -504,7 +615,8 @@ def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadI
         path = manifest.files[fi].path
         size = storage.size(path)
         if size < end:   # name what lies past the end (built only for a short file)
-            what = [(it.saved.offset + it.saved.nbytes, f"tensor {it.name!r} box offsets={list(it.saved.offsets)} "
+            what = [(it.saved.sums.file_end if it.saved.sums is not None and it.saved.sums.stored is not None
+                      else it.saved.offset + it.saved.nbytes, f"tensor {it.name!r} box offsets={list(it.saved.offsets)} "
                      f"lengths={list(it.saved.lengths)}") for it in items if it.saved.file == fi]
             what += [(e.offset + e.nbytes, f"object {key!r}") for key, e in objects if e.file == fi]
             require_length(storage, path, size, what, "manifest")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -16,10 +17,12 @@ if TYPE_CHECKING:   # the engine takes the adapters' records but never imports t
     from omnickpt.adapters.base import TensorShard
 from omnickpt.format import (CHUNK_BYTES, CONTROL_DIR, ColumnTable, DATA_DIR, FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, Sums, TensorEntry,
                              checksum)
+from omnickpt.format.codec import compress
 from omnickpt.lease import OWNER_RECORD
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import GlobalPlan, WriteItem
 from omnickpt.planner.save_plan import ALIGN
+from omnickpt.errors import PlanError
 from omnickpt.engine.staging import checksums, copy_bytes, gc_paused, plain_bytes
 from omnickpt.storage import Segment, Storage
 
@@ -48,17 +51,118 @@ class RankResult:
     timings: dict = field(default_factory=dict)
     error: str | None = None
     error_class: str = "CheckpointError"       # so that every rank raises the class the failing rank did
+    # A compressed save (codec set) lays its file out anew: each write's file offset and the stored
+    # length of each of its chunks (checksums are then those of the stored bytes).
+    codec: str | None = None
+    offsets: list[int] | None = None
+    stored: list[list[int]] | None = None
 
 
 @dataclass
 class Snapshot:
-    """A rank's data ready to persist: segments of its file and the spans to checksum."""
+    """A rank's data ready to persist: segments of its file and the spans to checksum.
+
+    A lazy snapshot still has copies to make (`finish()`, in the background job, before the
+    persist), and one over the staging budget writes some tensors from their own memory; until
+    both are done whatever would change those tensors waits: `release` (set by the caller) is
+    called once, by `settle()`, with the error if the copy failed."""
     file_bytes: int
     segments: list[Segment]
     spans: list[memoryview]                     # one per write item
     objects: list[tuple[str, int, int, memoryview]]  # key, offset, nbytes, bytes
     staging: torch.Tensor | None = None
     cuda_event: object = None
+    deferred: Callable[[], None] | None = None  # the lazy copies into staging
+    references: bool = False                    # some tensors are written from their own memory
+    release: Callable[[BaseException | None], None] | None = None
+    blocking: bool = False                      # save() waits for `release` (its stall ends there)
+    _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _copy_error: BaseException | None = None
+
+    def finish(self, timer: PhaseTimer) -> None:
+        """Background, before persisting: make the deferred copies (once: a second caller waits for
+        the first and sees its error); training may step again once they are done, unless tensors
+        are still to be written from their own memory."""
+        with self._finishing:
+            deferred, self.deferred = self.deferred, None
+            if deferred is not None:
+                try:
+                    with timer.phase("snapshot_lazy"):
+                        deferred()
+                except BaseException as e:
+                    self._copy_error = e
+                    self.settle(e)
+                    raise
+            if self._copy_error is not None:
+                raise self._copy_error
+            if not self.references:
+                self.settle()
+
+    def settle(self, error: BaseException | None = None) -> None:
+        """Let training change the saved tensors again (once; after the write at the latest)."""
+        release, self.release = self.release, None
+        if release is not None:
+            release(error)
+
+
+@dataclass
+class StageLayout:
+    """Where each write's bytes come from during the persist (a pure plan, `stage_layout`).
+
+    `at[i]`: write i's offset in the staging buffer, or None where it is written from the tensor's
+    own memory (over the staging budget). `later`: the writes copied in the background (lazy)
+    rather than before save() returns. Without a budget, or within it, staging is laid out exactly
+    like the file (`compact` False: one sequential write of the whole buffer)."""
+    size: int
+    file_bytes: int
+    at: list[int | None]
+    later: list[int]
+    compact: bool
+    blocking: bool      # a tensor training may change at any time is written from its own memory
+
+    @property
+    def references(self) -> bool:
+        return any(a is None for a in self.at)
+
+
+def stage_layout(shards: list[TensorShard], writes: list[WriteItem], tensor_region: int, blobs: dict[str, bytes],
+                 *, stable: set[int] | frozenset = frozenset(), room: int | None = None) -> StageLayout:
+    """Plan an async snapshot. `stable`: storages (data_ptr) only an optimizer step changes
+    (omnickpt.fence.step_stable_storages): their writes are copied later, in the background.
+    `room`: the most staging bytes to use (the budget). Over it, staging holds first what must be
+    copied (tensors that are not plain host memory), then what training changes at any time
+    (buffers, user tensors), then step-stable tensors; the rest is written from the tensors' own
+    memory (objects are immutable bytes: always referenced then) while the fence holds."""
+    file_bytes = _layout_objects(blobs, tensor_region)[1]
+
+    def is_stable(w: WriteItem) -> bool:
+        return bool(stable) and _storage_of(shards[w.index].local) in stable
+    if room is None or file_bytes <= room:
+        later = [i for i, w in enumerate(writes) if is_stable(w)]
+        return StageLayout(file_bytes, file_bytes, [w.offset for w in writes], later, False, False)
+    movable = [plain_bytes(shards[w.index].local) and shards[w.index].local.numel()
+               * shards[w.index].local.element_size() == w.nbytes for w in writes]
+    order = sorted(range(len(writes)), key=lambda i: (movable[i], is_stable(writes[i])))
+    at: list[int | None] = [None] * len(writes)
+    pos = 0
+    for i in order:
+        n = writes[i].nbytes
+        if pos + n <= room:
+            at[i] = pos
+            pos = (pos + n + ALIGN - 1) // ALIGN * ALIGN
+        elif not movable[i]:
+            raise PlanError(f"tensor {shards[writes[i].index].name!r} ({n} bytes, on a GPU or not contiguous) "
+                            f"does not fit in the staging budget ({room} bytes usable, {pos} taken by what must "
+                            "be copied first); raise Checkpointer(staging_budget=...)")
+    later = [i for i in range(len(writes)) if at[i] is not None and is_stable(writes[i])]
+    blocking = any(at[i] is None and not is_stable(writes[i]) for i in range(len(writes)))
+    return StageLayout(max(pos, 1), file_bytes, at, later, True, blocking)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    to_local = getattr(t, "to_local", None)
+    t = to_local() if callable(to_local) else t
+    return t.untyped_storage().data_ptr()
 
 
 def _layout_objects(blobs: dict[str, bytes], start: int) -> tuple[list[tuple[str, int, bytes]], int]:
@@ -71,34 +175,54 @@ def _layout_objects(blobs: dict[str, bytes], start: int) -> tuple[list[tuple[str
 
 def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: int, blobs: dict[str, bytes],
              staging: torch.Tensor | None, timer: PhaseTimer, *, cuda: bool = False,
-             pack: Callable[[int], torch.Tensor] | None = None) -> Snapshot:
-    """With `staging`, copy everything into it (async save: training may go on right after);
-    without, reference the tensors' own memory (sync save: nothing changes until we return),
-    except small tensors, which are packed into one buffer so the file is written in large pieces:
-    `pack(nbytes)` gives that buffer (held as Snapshot.staging; fresh memory when None)."""
+             pack: Callable[[int], torch.Tensor] | None = None, layout: StageLayout | None = None) -> Snapshot:
+    """With `staging`, copy into it (async save: training may go on right after) as `layout` says
+    (stage_layout; default: everything now, laid out like the file); the writes it copies later
+    are left to `Snapshot.finish()`. Without staging, reference the tensors' own memory (sync
+    save: nothing changes until we return), except small tensors, which are packed into one buffer
+    so the file is written in large pieces: `pack(nbytes)` gives that buffer (held as
+    Snapshot.staging; fresh memory when None)."""
     placed, total = _layout_objects(blobs, tensor_region)
     with timer.phase("snapshot"):
         if staging is not None:
-            buf = staging[:total]
-            event = None
-            stream = None
-            if cuda:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-            ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-            with ctx, torch.no_grad():
-                _copy_into(buf, shards, writes)
-            if stream is not None:
-                # Training kernels queued after this point wait for the copy on the GPU, not on the host.
-                event = torch.cuda.Event()
-                event.record(stream)
-                torch.cuda.current_stream().wait_stream(stream)
-            whole = tensor_bytes_view(buf)
-            for key, off, blob in placed:
-                whole[off:off + len(blob)] = blob   # one copy, straight into staging
-            spans = [whole[w.offset:w.offset + w.nbytes] for w in writes]
-            objs = [(k, off, len(b), whole[off:off + len(b)]) for k, off, b in placed]
-            return Snapshot(total, [Segment(0, whole)], spans, objs, staging, event)
+            if layout is None:
+                layout = StageLayout(total, total, [w.offset for w in writes], [], False, False)
+            later = set(layout.later)
+            now = [i for i in range(len(writes)) if layout.at[i] is not None and i not in later]
+            _copy_on_stream(staging, shards, writes, layout.at, now, cuda)
+            event = torch.cuda.Event() if cuda else None
+            if event is not None:
+                event.record()   # the copies of now (the training stream waits for them already)
+            whole = tensor_bytes_view(staging)
+            spans: list[memoryview] = []
+            if not layout.compact:
+                for key, off, blob in placed:
+                    whole[off:off + len(blob)] = blob   # one copy, straight into staging
+                segments = [Segment(0, whole[:total])]
+                spans = [whole[w.offset:w.offset + w.nbytes] for w in writes]
+                objs = [(k, off, len(b), whole[off:off + len(b)]) for k, off, b in placed]
+            else:
+                segments, objs = [], []
+                for w, a in zip(writes, layout.at):
+                    mv = whole[a:a + w.nbytes] if a is not None else tensor_bytes_view(shards[w.index].local.detach())
+                    spans.append(mv)
+                    if w.nbytes:
+                        segments.append(Segment(w.offset, mv))
+                for key, off, blob in placed:
+                    mv = memoryview(blob)
+                    segments.append(Segment(off, mv))
+                    objs.append((key, off, len(blob), mv))
+            snap = Snapshot(total, segments, spans, objs, staging, event, references=layout.references)
+            if later:
+                start = torch.cuda.Event() if cuda else None
+                if start is not None:
+                    start.record()   # the values of the save call: what the training stream queued so far
+
+                def deferred() -> None:
+                    snap.cuda_event = _copy_on_stream(staging, shards, writes, layout.at, sorted(later), cuda,
+                                                      after=start, wait_host=True)
+                snap.deferred = deferred
+            return snap
         segments, spans, packed = _reference(shards, writes, pack)
         objs = []
         for key, off, blob in placed:
@@ -108,24 +232,53 @@ def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: 
         return Snapshot(total, segments, spans, objs, packed)
 
 
+def _copy_on_stream(buf: torch.Tensor, shards: list[TensorShard], writes: list[WriteItem], at: list[int | None],
+                    which: list[int], cuda: bool, *, after=None, wait_host: bool = False):
+    """Copy writes `which` into `buf` at their staging offsets. On a GPU the copies run on a side
+    stream: called from the training thread (after=None), the training stream then waits for them
+    on the GPU, not the host; from the background (`after`: an event of the training stream at the
+    save call) the host waits for them (`wait_host`), so that the fence opens only once they are
+    done. Returns the copies' CUDA event (None on the CPU)."""
+    stream = None
+    if cuda:
+        stream = torch.cuda.Stream()
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())
+    ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+    with ctx, torch.no_grad():
+        _copy_into(buf, shards, [(writes[i], at[i]) for i in which])
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    if wait_host:
+        event.synchronize()
+    else:
+        # Training kernels queued after this point wait for the copy on the GPU, not on the host.
+        torch.cuda.current_stream().wait_stream(stream)
+    return event
+
+
 # A sync save packs tensors smaller than this into one buffer: a segment (and a write task) per
 # small tensor costs far more than copying its bytes once.
 PACK_BELOW = 256 << 10
 
 
-def _copy_into(buf: torch.Tensor, shards: list[TensorShard], writes: list[WriteItem]) -> None:
-    """Copy each write's source to its offset in `buf`: raw bytes (one memmove) where the source
-    is plain host memory of exactly the planned size, a torch copy otherwise (GPU sources run on
-    the caller's stream, non-blocking)."""
+def _copy_into(buf: torch.Tensor, shards: list[TensorShard], placed: list[tuple[WriteItem, int]]) -> None:
+    """Copy each write's source to its staging offset in `buf`: raw bytes (one memmove) where the
+    source is plain host memory of exactly the planned size, a torch copy otherwise (GPU sources
+    run on the caller's stream, non-blocking)."""
     base, size = buf.data_ptr(), buf.numel()
-    for w in writes:
+    for w, at in placed:
         src = shards[w.index].local
         if (plain_bytes(src) and src.numel() * src.element_size() == w.nbytes
-                and 0 <= w.offset and w.offset + w.nbytes <= size):
+                and 0 <= at and at + w.nbytes <= size):
             if w.nbytes:
-                copy_bytes(base + w.offset, src.data_ptr(), w.nbytes)
+                copy_bytes(base + at, src.data_ptr(), w.nbytes)
             continue
-        dst = buf[w.offset:w.offset + w.nbytes].view(src.dtype).view(src.shape)
+        dst = buf[at:at + w.nbytes].view(src.dtype).view(src.shape)
         dst.copy_(src, non_blocking=src.is_cuda)
 
 
@@ -188,12 +341,88 @@ class _nullcontext:
         return False
 
 
+def _compress_chunk(piece: memoryview, codec: str, itemsize: int) -> memoryview:
+    stored = compress(piece, codec, itemsize)
+    # Stored raw when compression does not pay: the reader tells it by stored length == raw length.
+    return piece if len(stored) >= len(piece) else memoryview(stored)
+
+
+def _compressed_layout(snap: Snapshot, codec: str, itemsizes: Sequence[int], executor: Executor | None
+                       ) -> tuple[int, list[Segment], list[int], list[list[memoryview]], list]:
+    """Compress every write's chunks on their own and lay the file out anew: each write at a
+    64-byte aligned offset, its stored chunks back to back, then the objects (not compressed).
+    Returns (file bytes, segments, per write its offset, per write its stored chunks (views of
+    the file buffer), objects as (key, offset, nbytes, bytes))."""
+    if len(itemsizes) != len(snap.spans):
+        raise ValueError(f"compression needs one element size per write ({len(snap.spans)}), got {len(itemsizes)}")
+    tasks = [(span[i:i + CHUNK_BYTES], codec, size) for span, size in zip(snap.spans, itemsizes)
+             for i in range(0, len(span), CHUNK_BYTES)]
+    if executor is None or len(tasks) <= 1:
+        flat = [_compress_chunk(*t) for t in tasks]
+    else:
+        flat = list(executor.map(lambda t: _compress_chunk(*t), tasks))
+    per_write, pos = [], 0
+    for span in snap.spans:
+        n = Sums.chunk_count(len(span), CHUNK_BYTES)
+        per_write.append(flat[pos:pos + n])
+        pos += n
+    offsets, pos = [0] * len(snap.spans), 0
+    # Writes keep their plan order in the file.
+    for w in range(len(snap.spans)):
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        offsets[w] = pos
+        pos += sum(len(c) for c in per_write[w])
+    objects = []
+    for key, _, n, mv in snap.objects:
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        objects.append((key, pos, n, mv))
+        pos += n
+    buf = np.zeros(max(1, pos), dtype=np.uint8)
+    whole = memoryview(buf)
+    chunks = []
+    for w, pieces in enumerate(per_write):
+        at, views = offsets[w], []
+        for c in pieces:
+            whole[at:at + len(c)] = c
+            views.append(whole[at:at + len(c)])
+            at += len(c)
+        chunks.append(views)
+    objects = [(key, off, n, _put(whole, off, mv)) for key, off, n, mv in objects]
+    return pos, [Segment(0, whole[:pos])], offsets, chunks, objects
+
+
+def _put(whole: memoryview, off: int, data: memoryview) -> memoryview:
+    whole[off:off + len(data)] = data
+    return whole[off:off + len(data)]
+
+
 @gc_paused()
 def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None, *,
-            durable: bool, timer: PhaseTimer) -> RankResult:
-    """Write this rank's data file and checksum what it wrote."""
+            durable: bool, timer: PhaseTimer, compression: str | None = None,
+            itemsizes: Sequence[int] = ()) -> RankResult:
+    """Write this rank's data file and checksum what it wrote. With `compression` (a codec of
+    format/codec.py; `itemsizes`: the element size of each write's tensor), each CHUNK_BYTES
+    chunk of each write is compressed on its own and the file laid out anew (RankResult.offsets,
+    .stored); the checksums are those of the stored bytes."""
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
+    if compression is not None:
+        with timer.phase("compress"):
+            file_bytes, segments, offsets, chunks, objects = _compressed_layout(snap, compression, itemsizes,
+                                                                                executor)
+        rel = data_file_name(save_id, rank) if snap.file_bytes else None
+        with timer.phase("checksum"):
+            flat = checksums([c for cs in chunks for c in cs], executor)
+            sums, pos = [], 0
+            for cs in chunks:
+                sums.append(flat[pos:pos + len(cs)])
+                pos += len(cs)
+            objs = [(k, off, n, checksum(mv), hashlib.blake2b(mv, digest_size=16).hexdigest())
+                    for k, off, n, mv in objects]
+        if rel is not None:
+            _write(storage, rel, file_bytes, segments, executor, durable, timer)
+        return RankResult(rank, rel, file_bytes if rel is not None else 0, sums, objs, codec=compression,
+                          offsets=offsets, stored=[[len(c) for c in cs] for cs in chunks])
     rel = data_file_name(save_id, rank) if snap.file_bytes else None
     with timer.phase("checksum"):
         # One CRC per chunk so that a partial (resharded) read can verify what it reads; the
@@ -208,16 +437,21 @@ def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor:
         objs = [(k, off, n, checksum(mv), hashlib.blake2b(mv, digest_size=16).hexdigest())
                 for k, off, n, mv in snap.objects]
     if rel is not None:
-        t0 = time.perf_counter()
-        phases = storage.write_file(rel, snap.file_bytes, snap.segments, executor, durable=durable) or {}
-        elapsed = time.perf_counter() - t0
-        timer.add("write", elapsed - sum(phases.values()), start=t0)
-        at = t0 + elapsed - sum(phases.values())
-        for name, secs in phases.items():   # sub-phases (fsync) end the write
-            timer.add(name, secs, start=at)
-            at += secs
-        timer.count("written", snap.file_bytes)
+        _write(storage, rel, snap.file_bytes, snap.segments, executor, durable, timer)
     return RankResult(rank, rel, snap.file_bytes, sums, objs)
+
+
+def _write(storage: Storage, rel: str, file_bytes: int, segments: list[Segment], executor: Executor | None,
+           durable: bool, timer: PhaseTimer) -> None:
+    t0 = time.perf_counter()
+    phases = storage.write_file(rel, file_bytes, segments, executor, durable=durable) or {}
+    elapsed = time.perf_counter() - t0
+    timer.add("write", elapsed - sum(phases.values()), start=t0)
+    at = t0 + elapsed - sum(phases.values())
+    for name, secs in phases.items():   # sub-phases (fsync) end the write
+        timer.add(name, secs, start=at)
+        at += secs
+    timer.count("written", file_bytes)
 
 
 def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str, layout: dict,
@@ -245,23 +479,37 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
     n_crcs = np.concatenate(counts + [np.zeros(0, dtype=np.int64)])
     crcs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(r.checksums) for r in results),
                        dtype=np.uint32, count=int(n_crcs.sum()))
+    codecs = {r.codec for r in results if r.file is not None}
+    if len(codecs) > 1:
+        raise RuntimeError(f"ranks saved with different compression: {sorted(map(str, codecs))}")
+    codec = codecs.pop() if codecs else None
+    stored, file_offset = None, plan.write_offset[rows]
+    if codec is not None:
+        # A compressed file is laid out by its rank (chunks shrink), so offsets come from the results.
+        stored = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(r.stored or ()) for r in results),
+                             dtype=np.int64, count=int(n_crcs.sum()))
+        file_offset = np.concatenate([np.asarray(r.offsets if r.offsets is not None else [], dtype=np.int64)
+                                      for r in results] + [np.zeros(0, dtype=np.int64)])
+        if len(file_offset) != len(rows):
+            raise RuntimeError("a rank of a compressed save reported no file offset for some of its writes")
     nbytes = plan.write_nbytes[rows]
     keep = nbytes > 0   # a tensor with no elements: its entry (shape, dtype) is the whole record
     if (n_crcs[keep] != -(-nbytes[keep] // CHUNK_BYTES)).any() or n_crcs[~keep].any():
         raise RuntimeError("a rank reported a checksum count that does not match its writes' chunk grid")
     crc0 = np.concatenate(([0], np.cumsum(n_crcs)))[:-1]
-    rows, crc0, n_crcs = rows[keep], crc0[keep], n_crcs[keep]
+    rows, crc0, n_crcs, file_offset = rows[keep], crc0[keep], n_crcs[keep], file_offset[keep]
     tid = plan.write_tensor[rows]
     offs = plan.write_offsets[rows]
     order = np.lexsort(tuple(offs[:, d] for d in range(offs.shape[1] - 1, -1, -1)) + (tid,))
-    rows, crc0, n_crcs, tid = rows[order], crc0[order], n_crcs[order], tid[order]
+    rows, crc0, n_crcs, tid, file_offset = rows[order], crc0[order], n_crcs[order], tid[order], file_offset[order]
     sums_start = np.concatenate(([0], np.cumsum(n_crcs)))
     crc_rows = np.arange(int(sums_start[-1]), dtype=np.int64) + np.repeat(crc0 - sums_start[:-1], n_crcs)
     rank_of = np.repeat(np.arange(len(plan.write_start) - 1), np.diff(plan.write_start))[rows]
     table = ColumnTable(offsets=plan.write_offsets[rows].astype(np.int64),
                         lengths=plan.write_lengths[rows].astype(np.int64), file=file_of[rank_of],
-                        offset=plan.write_offset[rows], nbytes=plan.write_nbytes[rows], sums_start=sums_start,
-                        crcs=crcs[crc_rows], chunk_bytes=CHUNK_BYTES)
+                        offset=file_offset, nbytes=plan.write_nbytes[rows], sums_start=sums_start,
+                        crcs=crcs[crc_rows], chunk_bytes=CHUNK_BYTES,
+                        stored=None if stored is None else stored[crc_rows], codec=codec)
     bounds = np.searchsorted(tid, np.arange(len(plan.names) + 1))
     # Every tensor any rank holds gets an entry, even if all its boxes are empty.
     tensors: dict[str, TensorEntry] = {
@@ -280,7 +528,7 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
             objects.setdefault(key, []).append(e)
     return Manifest(save_id=save_id, world_size=len(results), files=files, tensors=tensors, objects=objects,
                     layout=layout, tool_version=tool_version, created=time.time(), version=FORMAT_VERSION,
-                    chunk_bytes=CHUNK_BYTES)
+                    chunk_bytes=CHUNK_BYTES, compression=codec)
 
 
 def collect_garbage(storage: Storage, manifest: Manifest) -> None:

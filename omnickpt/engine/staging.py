@@ -95,31 +95,97 @@ def _page_aligned(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 class StagingPool:
-    def __init__(self, slots: int = 2):
+    """Reusable page-aligned host buffers: `slots` of them at most, and with a `budget` never more
+    than `budget` bytes held in all (idle buffers are dropped to make room; a request waits while
+    buffers in use fill the budget)."""
+
+    def __init__(self, slots: int = 2, budget: int | None = None):
+        if budget is not None and budget < 2 * _PAGE:
+            raise ValueError(f"staging_budget={budget} bytes is too small: give at least {2 * _PAGE} bytes")
+        self.budget = budget
         self._free: list[torch.Tensor | None] = [None] * slots
+        self._held = 0          # bytes of every buffer handed out or idle, as allocated
+        self.peak = 0           # the most bytes held at any time (the budget's check)
+        self._out: set[int] = set()   # addresses of the buffers handed out
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
-        """A uint8 host buffer of at least `nbytes`, waiting while every slot is in use."""
+    @property
+    def largest(self) -> int | None:
+        """The largest request the budget allows (None: no budget)."""
+        return None if self.budget is None else self.budget - _PAGE
+
+    @property
+    def held(self) -> int:
         with self._cond:
-            while not self._free:
+            return self._held
+
+    def acquire(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
+        """A uint8 host buffer of at least `nbytes`, waiting while every slot is in use (or, with a
+        budget, while the buffers in use leave no room for it). A request larger than the budget
+        (a load landing one box bigger than it; snapshots never ask for more than `largest`) gets
+        memory of its own, outside the pool, freed when the caller drops it."""
+        nbytes = max(nbytes, 1)
+        if self.largest is not None and nbytes > self.largest:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        with self._cond:
+            while True:
+                while not self._free:
+                    self._cond.wait()
+                # Prefer a slot already big enough: its pages are faulted in, so the copy runs at memcpy speed.
+                fits = [i for i, b in enumerate(self._free) if b is not None and b.numel() >= nbytes
+                        and b.is_pinned() == pin]
+                if fits:
+                    buf = self._free.pop(fits[0])
+                    self._out.add(buf.data_ptr())
+                    return buf
+                # A new buffer: drop the idle ones first (their memory goes back before the new is taken).
+                for i, b in enumerate(self._free):
+                    if b is not None:
+                        self._held -= _footprint(b)
+                        self._free[i] = None
+                if self.budget is None or self._held + nbytes + _PAGE <= self.budget:
+                    self._free.pop()
+                    self._held += nbytes + _PAGE
+                    self.peak = max(self.peak, self._held)
+                    break
                 self._cond.wait()
-            # Prefer a slot already big enough: its pages are faulted in, so the copy runs at memcpy speed.
-            fits = [i for i, b in enumerate(self._free) if b is not None and b.numel() >= nbytes
-                    and b.is_pinned() == pin]
-            buf = self._free.pop(fits[0] if fits else 0)
-        if buf is None or buf.numel() < nbytes or buf.is_pinned() != pin:
-            buf = None  # drop the old one before allocating the new one
-            # Not zero-filled: the first snapshot's copy faults the pages in (one pass over the
-            # memory instead of two), and every later save reuses them at memcpy speed.
-            buf = _page_aligned(max(nbytes, 1), pin)
+        # Not zero-filled: the first snapshot's copy faults the pages in (one pass over the
+        # memory instead of two), and every later save reuses them at memcpy speed.
+        try:
+            buf = _page_aligned(nbytes, pin)
+        except BaseException:
+            self._forget(nbytes + _PAGE)
+            raise
+        with self._cond:
+            self._out.add(buf.data_ptr())
         return buf
 
-    def release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor, *, keep: bool = True) -> None:
+        """Give `buf` back; keep=False frees its memory now instead of keeping it for the next save.
+        A buffer this pool did not hand out is left alone (dropped with its last reference)."""
         with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+            if buf.data_ptr() not in self._out:
+                return
+            self._out.discard(buf.data_ptr())
+            if keep:
+                self._free.append(buf)
+            else:
+                self._held -= _footprint(buf)
+                self._free.append(None)
+            self._cond.notify_all()
+
+    def _forget(self, nbytes: int) -> None:
+        with self._cond:
+            self._held -= nbytes
+            self._free.append(None)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
+            self._held -= sum(_footprint(b) for b in self._free if b is not None)
             self._free = [None] * len(self._free)
+
+
+def _footprint(buf: torch.Tensor) -> int:
+    """Bytes a buffer from _page_aligned holds (its view plus the alignment slack)."""
+    return buf.numel() + _PAGE

@@ -16,6 +16,8 @@ box; it is read as a one-chunk grid, so a partial read of a version-1 box reads 
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import json
 import math
 import posixpath
@@ -28,6 +30,7 @@ import torch
 
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from omnickpt.format.checksum import checksum
+from omnickpt.format.codec import CODECS
 
 FORMAT_NAME = "omnickpt"
 FORMAT_VERSION = 3
@@ -38,6 +41,8 @@ _ALIGN = 8
 # Integer arrays may be stored as narrow unsigned integers or int64 (little-endian); nothing else.
 _ARRAY_DTYPES = {"|u1", "<u2", "<u4", "<i8"}
 _COLUMNS = ("offsets", "lengths", "file", "offset", "crcs")
+# A compressed checkpoint adds one column: the stored (compressed) byte length of each chunk.
+_STORED = "stored"
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"          # data files: data/<save_id>-r<rank>.bin
 CONTROL_DIR = ".omnickpt"  # per-save records, commit status, the owner lease; not part of the checkpoint
@@ -79,11 +84,39 @@ def dtype_from_name(name: str, where: str = "manifest") -> torch.dtype:
 class Sums:
     """CRC32C of the consecutive `size`-byte chunks of file bytes [start, end) (the last chunk may be
     shorter). A stored box has the grid of its own bytes; a box derived from it by a transform
-    keeps that grid, since its bytes lie inside the same stored range."""
+    keeps that grid, since its bytes lie inside the same stored range.
+
+    In a compressed checkpoint [start, end) are the box's raw bytes as if stored at `start`
+    (every byte range a reader plans with stays in these coordinates), while chunk i really lies
+    at `file_chunk(i)`: the chunks stored back to back from `start`, `stored[i]` bytes each,
+    compressed with `codec` (elements of `itemsize` bytes) unless `stored[i]` equals the chunk's
+    raw length (then it is stored raw). The CRCs are those of the stored bytes."""
     start: int
     end: int
     size: int
     crcs: tuple[int, ...]
+    stored: tuple[int, ...] | None = None
+    codec: str | None = None
+    itemsize: int = 1
+
+    def file_chunk(self, i: int) -> tuple[int, int]:
+        """File bytes [a, b) where chunk i is stored (`chunk(i)` unless compressed)."""
+        if self.stored is None:
+            return self.chunk(i)
+        ends = self._stored_ends
+        return self.start + (ends[i - 1] if i else 0), self.start + ends[i]
+
+    @property
+    def file_end(self) -> int:
+        """One past the last file byte of the stored box."""
+        if self.stored is None:
+            return self.end
+        return self.start + (self._stored_ends[-1] if self.stored else 0)
+
+    @functools.cached_property
+    def _stored_ends(self) -> tuple[int, ...]:
+        # Cumulative stored lengths, made once: a reader asks for many chunks of one box.
+        return tuple(itertools.accumulate(self.stored))
 
     @staticmethod
     def chunk_count(nbytes: int, size: int) -> int:
@@ -147,7 +180,8 @@ class BoxColumns:
     Each box's chunk grid is that of its own bytes [offset[i], offset[i] + nbytes[i]):
     `chunk_bytes` > 0: pieces of that many bytes, the last one shorter (versions 2 and 3);
     0: one chunk covering the whole box (version 1); None: no checksums at all (a foreign format),
-    crcs is then empty. Box i's CRCs are crcs[sums_start[i]:sums_start[i + 1]].
+    crcs is then empty. Box i's CRCs are crcs[sums_start[i]:sums_start[i + 1]]; in a compressed
+    checkpoint (`codec` set) `stored` holds each chunk's stored length, like crcs (see Sums).
     """
     offsets: np.ndarray      # [n, ndim]
     lengths: np.ndarray      # [n, ndim]
@@ -157,9 +191,17 @@ class BoxColumns:
     sums_start: np.ndarray   # [n + 1]
     crcs: np.ndarray         # uint32 [total chunks]
     chunk_bytes: int | None = CHUNK_BYTES
+    stored: np.ndarray | None = None   # int64 [total chunks], with codec
+    codec: str | None = None
+    itemsize: int = 1
 
     def __len__(self) -> int:
         return len(self.file)
+
+    def _compressed(self, a: int, b: int) -> dict:
+        if self.codec is None:
+            return {}
+        return {"stored": tuple(self.stored[a:b].tolist()), "codec": self.codec, "itemsize": self.itemsize}
 
     def sums(self, i: int) -> Sums | None:
         """Box i's checksum grid, as SavedBox.sums holds it."""
@@ -167,7 +209,8 @@ class BoxColumns:
             return None
         off, nb = int(self.offset[i]), int(self.nbytes[i])
         size = self.chunk_bytes or max(1, nb)
-        return Sums(off, off + nb, size, tuple(self.crcs[self.sums_start[i]:self.sums_start[i + 1]].tolist()))
+        a, b = int(self.sums_start[i]), int(self.sums_start[i + 1])
+        return Sums(off, off + nb, size, tuple(self.crcs[a:b].tolist()), **self._compressed(a, b))
 
     def to_boxes(self) -> list[SavedBox]:
         """One SavedBox per row (what TensorEntry.boxes shows)."""
@@ -182,7 +225,7 @@ class BoxColumns:
         starts, crcs, cb = self.sums_start.tolist(), self.crcs.tolist(), self.chunk_bytes
         return [SavedBox(offs[i], lens[i], file[i], offset[i], nbytes[i],
                          Sums(offset[i], offset[i] + nbytes[i], cb or max(1, nbytes[i]),
-                              tuple(crcs[starts[i]:starts[i + 1]])))
+                              tuple(crcs[starts[i]:starts[i + 1]]), **self._compressed(starts[i], starts[i + 1])))
                 for i in range(n)]
 
     @staticmethod
@@ -193,9 +236,17 @@ class BoxColumns:
         sums = [b.sums for b in boxes]
         if any(type(b) is not SavedBox for b in boxes):
             return None
+        codecs = {s.codec for s in sums if s is not None}
+        codec, itemsize, stored = None, 1, None
+        if codecs and codecs != {None}:
+            itemsizes = {s.itemsize for s in sums}
+            if len(codecs) != 1 or len(itemsizes) != 1:
+                return None
+            codec, itemsize = codecs.pop(), itemsizes.pop()
+            stored = np.array([x for s in sums for x in s.stored], dtype=np.int64)
         if all(s is None for s in sums):
             chunk_bytes, counts, crcs = None, [0] * n, []
-        elif any(s is None for s in sums):
+        elif any(s is None for s in sums) or (codec is not None and any(s.stored is None for s in sums)):
             return None
         else:
             if any((s.start, s.end) != (b.offset, b.offset + b.nbytes) for s, b in zip(sums, boxes)):
@@ -218,7 +269,8 @@ class BoxColumns:
             file=np.array([b.file for b in boxes], dtype=np.int64),
             offset=np.array([b.offset for b in boxes], dtype=np.int64),
             nbytes=np.array([b.nbytes for b in boxes], dtype=np.int64),
-            sums_start=starts, crcs=np.array(crcs, dtype=np.uint32), chunk_bytes=chunk_bytes)
+            sums_start=starts, crcs=np.array(crcs, dtype=np.uint32), chunk_bytes=chunk_bytes,
+            stored=stored, codec=codec, itemsize=itemsize)
 
 
 @dataclass(frozen=True)
@@ -234,9 +286,11 @@ class ColumnTable:
     sums_start: np.ndarray   # [N + 1] into crcs
     crcs: np.ndarray         # uint32
     chunk_bytes: int | None = CHUNK_BYTES
+    stored: np.ndarray | None = None   # like crcs: each chunk's stored length (a compressed save)
+    codec: str | None = None
 
     def entry(self, shape: tuple[int, ...], dtype: str, a: int, b: int) -> "TensorEntry":
-        return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape)))
+        return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape), dtype_from_name(dtype).itemsize))
 
 
 @dataclass(frozen=True)
@@ -245,6 +299,7 @@ class _TableRows:
     a: int
     b: int
     ndim: int
+    itemsize: int
 
     def __call__(self) -> BoxColumns:
         t, a, b = self.table, self.a, self.b
@@ -252,7 +307,8 @@ class _TableRows:
         return BoxColumns(offsets=np.ascontiguousarray(t.offsets[a:b, :self.ndim]),
                           lengths=np.ascontiguousarray(t.lengths[a:b, :self.ndim]),
                           file=t.file[a:b], offset=t.offset[a:b], nbytes=t.nbytes[a:b],
-                          sums_start=t.sums_start[a:b + 1] - s0, crcs=t.crcs[s0:s1], chunk_bytes=t.chunk_bytes)
+                          sums_start=t.sums_start[a:b + 1] - s0, crcs=t.crcs[s0:s1], chunk_bytes=t.chunk_bytes,
+                          stored=None if t.stored is None else t.stored[s0:s1], codec=t.codec, itemsize=self.itemsize)
 
 
 class TensorEntry:
@@ -291,6 +347,12 @@ class TensorEntry:
     @boxes.setter
     def boxes(self, boxes: list[SavedBox]) -> None:
         self._boxes, self._columns, self._load = boxes, None, None
+
+    @property
+    def holds_boxes(self) -> bool:
+        """Whether the entry holds its boxes as SavedBox records already (made from a list: foreign
+        formats, transforms; or listed before), rather than only as columns."""
+        return self._boxes is not None
 
     @property
     def box_count(self) -> int:
@@ -349,6 +411,8 @@ class Manifest:
     created: float = 0.0
     version: int = FORMAT_VERSION
     chunk_bytes: int = CHUNK_BYTES
+    # The codec of every stored chunk (format/codec.py), None for raw bytes; version 3 only.
+    compression: str | None = None
     # True once a transform has rewritten it (omnickpt/transforms.py); never stored.
     derived: bool = False
 
@@ -382,16 +446,22 @@ class Manifest:
             "chunk_bytes": self.chunk_bytes,
             "files": [{"path": f.path, "rank": f.rank, "bytes": f.bytes} for f in self.files],
             "objects": {k: [e.encode() for e in v] for k, v in self.objects.items()},
-        }
+        } | ({"compression": self.compression} if self.compression else {})
 
     def _stored_columns(self, name: str, t: "TensorEntry") -> BoxColumns:
         c = t.columns
         if c is None or (len(c) and c.chunk_bytes != self.chunk_bytes):
             raise ValueError(f"tensor {name!r}: its boxes have no checksum grid of their own bytes in chunks of "
                              f"{self.chunk_bytes}; only stored boxes can be encoded")
+        if len(c) and c.codec != self.compression:
+            raise ValueError(f"tensor {name!r}: its boxes are stored with compression {c.codec!r}, the manifest "
+                             f"says {self.compression!r}")
         return c
 
     def _encode_json(self) -> bytes:
+        if self.compression:
+            raise ValueError(f"a compressed checkpoint ({self.compression}) has no version-2 (JSON) form; "
+                             "encode it as version 3")
         doc = self._header()
         doc["tensors"] = {}
         for name, t in self.tensors.items():
@@ -454,7 +524,8 @@ def _narrow_array(a: np.ndarray) -> np.ndarray:
 def _encode_v3(m: Manifest) -> bytes:
     """Header JSON, then one array per column, rows grouped by tensor in index order."""
     header = m._header()
-    index, cols = {}, {k: [] for k in _COLUMNS}
+    names = _COLUMNS + ((_STORED,) if m.compression else ())
+    index, cols = {}, {k: [] for k in names}
     for name, t in m.tensors.items():
         c = m._stored_columns(name, t)
         index[name] = {"shape": list(t.shape), "dtype": t.dtype, "boxes": len(c), "chunks": len(c.crcs)}
@@ -463,9 +534,11 @@ def _encode_v3(m: Manifest) -> bytes:
         cols["file"].append(c.file)
         cols["offset"].append(c.offset)
         cols["crcs"].append(c.crcs)
+        if m.compression and c.stored is not None:
+            cols[_STORED].append(c.stored)
     header["tensors"] = index
     arrays, blobs, pos = {}, [], 0
-    for k in _COLUMNS:
+    for k in names:
         a = np.concatenate(cols[k]) if cols[k] else np.zeros(0, dtype=np.int64)
         a = a.astype("<u4") if k == "crcs" else _narrow_array(a)
         arrays[k] = {"dtype": a.dtype.str, "count": int(a.size), "offset": pos}
@@ -508,7 +581,7 @@ def _decode_v3(data: memoryview, where: str, wanted: set | None) -> Manifest:
     specs = doc["arrays"]
     if not isinstance(specs, dict):
         raise _corrupt(where, "field 'arrays' is not an object")
-    for k in _COLUMNS:
+    for k in _COLUMNS + ((_STORED,) if m.compression else ()):
         spec = specs.get(k)
         if not isinstance(spec, dict) or spec.get("dtype") not in _ARRAY_DTYPES or (k == "crcs" and spec["dtype"] != "<u4"):
             raise _corrupt(where, f"array {k!r} has no valid description ({spec!r:.80})")
@@ -553,13 +626,13 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
     elem0 = np.concatenate(([0], np.cumsum(nbox_a * ndim)))
     crc0 = np.concatenate(([0], np.cumsum(nchunk_a)))
     for k, total in (("file", row0[-1]), ("offset", row0[-1]), ("offsets", elem0[-1]), ("lengths", elem0[-1]),
-                     ("crcs", crc0[-1])):
+                     ("crcs", crc0[-1])) + (((_STORED, crc0[-1]),) if m.compression else ()):
         if len(raw[k]) != total:
             raise _corrupt(where, f"array {k!r} holds {len(raw[k])} values but the tensor index needs {total}")
     sel = [i for i, name in enumerate(names) if wanted is None or name in wanted]
-    store = _Rows(raw, m.chunk_bytes)
+    store = _Rows(raw, m.chunk_bytes, m.compression)
     if sel:
-        _validate_rows(m, store, sel, names, shapes, itemsizes, nbox_a, nchunk_a, ndim, row0, elem0, where)
+        _validate_rows(m, store, sel, names, shapes, itemsizes, nbox_a, nchunk_a, ndim, row0, elem0, crc0, where)
     m.tensors = {}
     for i in sel:
         m.tensors[names[i]] = TensorEntry(shapes[i], dtypes[i], load=_Slice(
@@ -575,7 +648,7 @@ def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
 
 
-def _validate_rows(m, store, sel, names, shapes, itemsizes, nbox, nchunk, ndim, row0, elem0, where) -> None:
+def _validate_rows(m, store, sel, names, shapes, itemsizes, nbox, nchunk, ndim, row0, elem0, crc0, where) -> None:
     """Check the rows of the selected tensors, tensors of one rank (ndim) at a time, so that each
     check is one operation on [rows, ndim] arrays."""
     sel = np.array(sel, dtype=np.int64)
@@ -606,13 +679,6 @@ def _validate_rows(m, store, sel, names, shapes, itemsizes, nbox, nchunk, ndim, 
         nbytes = numel * np.repeat(np.array(itemsizes, dtype=np.int64)[ts], n_t)
         file = store.raw["file"][rows].astype(np.int64)
         offset = store.raw["offset"][rows].astype(np.int64)
-        bad = (file < 0) | (file >= len(m.files)) | (offset < 0)
-        bad |= offset > fbytes[np.where(bad, len(m.files), file)] - nbytes
-        if bad.any():
-            i = int(np.nonzero(bad)[0][0])
-            t = int(np.repeat(ts, n_t)[i])
-            raise _corrupt(where, f"tensor {names[t]!r} has a box in file {int(file[i])} at bytes "
-                           f"{int(offset[i])}+{int(nbytes[i])}, outside the {len(m.files)} data files it lists")
         chunks = np.concatenate(([0], np.cumsum(-(-nbytes // m.chunk_bytes))))
         first = np.concatenate(([0], np.cumsum(n_t)))
         per_t = chunks[first[1:]] - chunks[first[:-1]]
@@ -620,6 +686,19 @@ def _validate_rows(m, store, sel, names, shapes, itemsizes, nbox, nchunk, ndim, 
             j = int(np.nonzero(per_t != nchunk[ts])[0][0])
             raise _corrupt(where, f"tensor {names[ts[j]]!r} declares {int(nchunk[ts[j]])} chunk checksums but its "
                            f"boxes hold {int(per_t[j])} chunks of {m.chunk_bytes} bytes")
+        span = nbytes
+        if store.codec is not None:
+            span, bad_box = _stored_spans(store, m.chunk_bytes, crc0[ts], nchunk[ts], nbytes)
+            if bad_box is not None:
+                t = int(np.repeat(ts, n_t)[bad_box])
+                raise _corrupt(where, f"tensor {names[t]!r} has a stored chunk length outside 1..its raw length")
+        bad = (file < 0) | (file >= len(m.files)) | (offset < 0)
+        bad |= offset > fbytes[np.where(bad, len(m.files), file)] - span
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            t = int(np.repeat(ts, n_t)[i])
+            raise _corrupt(where, f"tensor {names[t]!r} has a box in file {int(file[i])} at bytes "
+                           f"{int(offset[i])}+{int(span[i])}, outside the {len(m.files)} data files it lists")
         store.nbytes[rows] = nbytes
         # No two boxes of a tensor may share an element (then counting elements proves coverage).
         clear = _rows_clear(offs, lens, numel, n_t)
@@ -666,13 +745,47 @@ def _rows_clear(o, ln, numel, n_t) -> np.ndarray:
     return clear | ok
 
 
+def _stored_spans(store, chunk_bytes: int, crc0, nchunk, nbytes) -> tuple[np.ndarray, int | None]:
+    """(the file bytes each box's stored chunks occupy, the first box with an impossible stored
+    length or None), for the rows of tensors whose chunks start at crc0 and number nchunk, box raw
+    sizes nbytes. A chunk is stored in 1..its raw length bytes (equal: stored raw)."""
+    idx = _spans(crc0, nchunk)
+    stored = store.raw[_STORED][idx].astype(np.int64)
+    per_box = -(-nbytes // chunk_bytes)
+    # The raw length of each chunk: chunk_bytes, except the last of each box.
+    raw_len = np.full(len(stored), chunk_bytes, dtype=np.int64)
+    ends = np.cumsum(per_box)
+    last = ends[per_box > 0] - 1
+    raw_len[last] = nbytes[per_box > 0] - (per_box[per_box > 0] - 1) * chunk_bytes
+    box_of = np.repeat(np.arange(len(nbytes)), per_box)
+    bad = (stored < 1) | (stored > raw_len)
+    if bad.any():
+        return nbytes, int(box_of[np.nonzero(bad)[0][0]])
+    return np.bincount(box_of, weights=stored, minlength=len(nbytes)).astype(np.int64), None
+
+
 class _Rows:
     """The arrays of a version-3 manifest (views of its bytes) and the byte sizes of validated rows."""
 
-    def __init__(self, raw: dict, chunk_bytes: int):
+    def __init__(self, raw: dict, chunk_bytes: int, codec: str | None = None):
         self.raw = raw
         self.chunk_bytes = chunk_bytes
+        self.codec = codec
         self.nbytes = np.zeros(len(raw["file"]), dtype=np.int64)
+        self._slices = 0
+        self._wide: dict[str, np.ndarray] = {}
+
+    def column(self, name: str, lo: int, hi: int, dtype=np.int64) -> np.ndarray:
+        """Elements [lo, hi) of array `name` as `dtype`. The arrays are stored narrow; widening one
+        tensor's slice costs a few numpy calls, so once many tensors are asked for (a load of 10^4
+        small tensors) each whole array is widened once and sliced from then on."""
+        self._slices += 1
+        if self._slices > 256 * 7:     # ~7 columns per tensor: after 256 tensors
+            wide = self._wide.get(name)
+            if wide is None:
+                wide = self._wide[name] = self.raw[name].astype(dtype)
+            return wide[lo:hi]
+        return self.raw[name][lo:hi].astype(dtype)
 
 
 @dataclass(frozen=True)
@@ -687,19 +800,23 @@ class _Slice:
     itemsize: int
 
     def __call__(self) -> BoxColumns:
-        raw, n = self.store.raw, self.row1 - self.row0
+        n = self.row1 - self.row0
         e1 = self.elem0 + n * self.ndim
         nbytes = self.store.nbytes[self.row0:self.row1].copy()
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(-(-nbytes // self.store.chunk_bytes), out=starts[1:])
+        codec = self.store.codec
+        col, c1 = self.store.column, self.crc0 + int(starts[-1])
         return BoxColumns(
-            offsets=raw["offsets"][self.elem0:e1].astype(np.int64).reshape(n, self.ndim),
-            lengths=raw["lengths"][self.elem0:e1].astype(np.int64).reshape(n, self.ndim),
-            file=raw["file"][self.row0:self.row1].astype(np.int64),
-            offset=raw["offset"][self.row0:self.row1].astype(np.int64),
+            offsets=col("offsets", self.elem0, e1).reshape(n, self.ndim),
+            lengths=col("lengths", self.elem0, e1).reshape(n, self.ndim),
+            file=col("file", self.row0, self.row1),
+            offset=col("offset", self.row0, self.row1),
             nbytes=nbytes, sums_start=starts,
-            crcs=raw["crcs"][self.crc0:self.crc0 + int(starts[-1])].astype(np.uint32),
-            chunk_bytes=self.store.chunk_bytes)
+            crcs=col("crcs", self.crc0, c1, np.uint32),
+            chunk_bytes=self.store.chunk_bytes,
+            stored=None if codec is None else col(_STORED, self.crc0, c1),
+            codec=codec, itemsize=self.itemsize)
 
 
 def _refuse_constant(name: str):
@@ -803,10 +920,14 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     created = doc.get("created", 0.0)
     if type(created) not in (int, float):
         raise ValueError(f"created must be a number, got {created!r:.40}")
+    compression = doc.get("compression") if version >= 3 else None
+    if compression is not None and compression not in CODECS:
+        raise CorruptCheckpointError(f"{where}: unknown compression {compression!r:.40} (this omnickpt knows "
+                                     f"{', '.join(CODECS)}): upgrade omnickpt, or the manifest is damaged")
     return Manifest(
         save_id=str(doc["save_id"]), world_size=world_size, files=files, tensors=tensors,
         objects=objects, layout=dict(doc.get("layout") or {}), tool_version=str(doc.get("tool_version", "")),
-        created=float(created), version=version, chunk_bytes=chunk_bytes or CHUNK_BYTES)
+        created=float(created), version=version, chunk_bytes=chunk_bytes or CHUNK_BYTES, compression=compression)
 
 
 def _sums(raw: Any, box: SavedBox, chunk_bytes: int, version: int, what: str) -> Sums:
@@ -843,14 +964,14 @@ def overlap_problem(shape: tuple[int, ...], boxes: list[SavedBox]) -> str | None
     """
     boxes = [b for b in boxes if math.prod(b.lengths)]
     if len(boxes) > 32:
-        lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
-        ln = np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
-        found = _interval_overlap(lo, ln)
-        if found is not None:
-            return found or None
+        lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+        ln = np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+        return _array_overlap(lo, ln)
     if len(boxes) > 1:
         ndim = len(shape)
-        dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes})) if ndim else 0
+        if not ndim:
+            return "two boxes of a 0-d tensor overlap"
+        dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
         boxes = sorted(boxes, key=lambda b: b.offsets[dim])
         starts = [b.offsets[dim] for b in boxes]
         for i, a in enumerate(boxes):
@@ -890,9 +1011,59 @@ def overlap_problem_arrays(offsets: np.ndarray, lengths: np.ndarray, numel: np.n
     lo, ln = offsets[keep], lengths[keep]
     if len(lo) <= 1:
         return None
+    return _array_overlap(lo, ln)
+
+
+def _array_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
+    """overlap_problem for non-empty boxes as [n, ndim] arrays: the interval test where it applies,
+    else the sweep."""
     found = _interval_overlap(lo, ln)
     if found is not None:
         return found or None
-    shape = tuple((lo + ln).max(axis=0).tolist())
-    return overlap_problem(shape, [SavedBox(tuple(o), tuple(n), 0, 0, 0, None)
-                                   for o, n in zip(lo.tolist(), ln.tolist())])
+    return _sweep_overlap(lo, ln)
+
+
+# Below this many boxes still to compare, the sweep takes each box against all its candidates at
+# once rather than one shift at a time (a box spanning the others would otherwise cost a shift each).
+_SWEEP_ONE_BY_ONE = 64
+
+
+def _sweep_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
+    """The per-box test of overlap_problem for non-empty boxes of any layout (a grid of TP x FSDP
+    blocks), in numpy: sorted by start along the dimension with the most distinct starts, box i is
+    compared with its candidates (the boxes after it that start before it ends there) one shift at
+    a time, shift k comparing every box i whose candidates reach that far with box i + k. The work
+    is the number of candidate pairs, as in the loop, and the pair reported is the loop's: the
+    first box in sorted order that overlaps a later one, with the first such later one."""
+    n, nd = lo.shape
+    if not nd:
+        return "two boxes of a 0-d tensor overlap" if n > 1 else None
+    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(nd)]))
+    order = np.argsort(lo[:, d], kind="stable")
+    slo = lo[order]
+    shi = slo + ln[order]
+    stop = np.searchsorted(slo[:, d], shi[:, d], side="left")   # > i: a box starts before it ends
+    active = np.flatnonzero(stop > np.arange(n) + 1)
+    first = None   # (i, j) in sorted positions
+    k = 1
+    while len(active):
+        if len(active) < _SWEEP_ONE_BY_ONE:
+            for i in active.tolist():
+                j = np.arange(i + k, stop[i])
+                hit = ((slo[j] < shi[i]) & (slo[i] < shi[j])).all(axis=1)
+                if hit.any():
+                    first = (i, int(j[np.argmax(hit)]))
+                    break
+            break
+        j = active + k
+        hit = ((slo[j] < shi[active]) & (slo[active] < shi[j])).all(axis=1)
+        if hit.any():
+            h = int(np.argmax(hit))
+            first = (int(active[h]), int(j[h]))
+            active = active[:h]   # only an earlier box can still give an earlier pair
+        k += 1
+        active = active[stop[active] > active + k]
+    if first is None:
+        return None
+    a, b = order[first[0]], order[first[1]]
+    return f"boxes {lo[a].tolist()}+{ln[a].tolist()} and {lo[b].tolist()}+{ln[b].tolist()} overlap"

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from omnickpt.errors import MismatchError
-from omnickpt.format.manifest import Manifest, SavedBox, WindowBox
+from omnickpt.format.manifest import Manifest, SavedBox, Sums, WindowBox
 from omnickpt.layout import Box, BoxIndex, intersect
 
 # SavedBox.file of a box that is not stored at all: its elements load as zeros. Only transforms
@@ -47,8 +49,8 @@ def _numel(lengths) -> int:
     return n
 
 
-# Up to this many stored boxes, a tensor's boxes are intersected one by one: building an index
-# costs more than it saves.
+# From this many stored boxes on, a tensor is searched through an index (BoxIndex); tensors with
+# fewer are intersected all together, in bulk (_plan_small).
 _INDEX_FROM = 16
 
 
@@ -57,37 +59,108 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
 
     Items come per wanted box, in the order of the tensor's saved boxes. A tensor with many boxes
     is searched through an index (`BoxIndex`, built once per call), so a wanted box costs its
-    overlaps, not the tensor's box count."""
-    items: list[ReadItem] = []
-    gaps: list[str] = []
+    overlaps, not the tensor's box count; tensors with few boxes (10^4 small tensors of an MoE
+    model) are intersected with numpy all at once. Only the saved boxes a wanted box overlaps
+    become SavedBox records."""
+    per_box: list[list[ReadItem]] = [[] for _ in wanted]
+    gaps: list[tuple[int, str]] = []
     indexes: dict[str, BoxIndex] = {}
+    small: dict[tuple, list] = {}   # (ndim, chunk_bytes) -> [(wanted index, name, box, columns)]
     for di, (name, box) in enumerate(wanted):
         entry = manifest.tensors.get(name)
         if entry is None:
-            gaps.append(f"{name}: missing from the checkpoint")
+            gaps.append((di, f"{name}: missing from the checkpoint"))
             continue
         covered = 0
-        boxes = entry.boxes
-        if len(boxes) < _INDEX_FROM:
-            for sb in boxes:
+        if entry.box_count < _INDEX_FROM:
+            cols = None if _holds_box_list(entry) else entry.columns
+            if cols is not None:
+                small.setdefault((len(entry.shape), cols.chunk_bytes), []).append((di, name, box, cols))
+                continue
+            for sb in entry.boxes:
                 region = intersect(Box(sb.offsets, sb.lengths), box)
                 if region is not None and region.numel:
-                    items.append(ReadItem(name, di, sb, region))
+                    per_box[di].append(ReadItem(name, di, sb, region))
                     covered += region.numel
         else:
             index = indexes.get(name)
             if index is None:
                 index = indexes[name] = _index(entry)
             found, offs, lens = index.overlapping(box)
-            covered = int(lens.prod(axis=1).sum()) if len(found) else 0
-            items += [ReadItem(name, di, boxes[i], Box(tuple(o), tuple(n)))
-                      for i, o, n in zip(found.tolist(), offs.tolist(), lens.tolist())]
+            if len(found):
+                covered = int(lens.prod(axis=1).sum())
+                saved = _saved_boxes(entry, found)
+                per_box[di] = [ReadItem(name, di, sb, Box(tuple(o), tuple(n)))
+                               for sb, o, n in zip(saved, offs.tolist(), lens.tolist())]
         if covered < box.numel:
-            gaps.append(f"{name}: the checkpoint holds only {covered} of the {box.numel} elements of box "
-                        f"offsets={list(box.offsets)} lengths={list(box.lengths)}")
+            gaps.append((di, _gap(name, covered, box)))
+    for (ndim, chunk_bytes), group in small.items():
+        _plan_small(group, ndim, chunk_bytes, per_box, gaps)
     if gaps:
-        raise MismatchError("the checkpoint does not cover every element this rank needs:\n  " + "\n  ".join(gaps), gaps)
-    return items
+        lines = [g for _, g in sorted(gaps, key=lambda g: g[0])]
+        raise MismatchError("the checkpoint does not cover every element this rank needs:\n  " + "\n  ".join(lines),
+                            lines)
+    return [it for items in per_box for it in items]
+
+
+def _gap(name: str, covered: int, box: Box) -> str:
+    return (f"{name}: the checkpoint holds only {covered} of the {box.numel} elements of box "
+            f"offsets={list(box.offsets)} lengths={list(box.lengths)}")
+
+
+def _holds_box_list(entry) -> bool:
+    """Whether `entry` already holds its boxes as SavedBox records (built from a list: foreign
+    formats, transforms; or listed before): intersecting those one by one costs less than making
+    columns of them. A decoded manifest's entry holds columns only."""
+    return getattr(entry, "holds_boxes", True)
+
+
+def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[list[ReadItem]],
+                gaps: list[tuple[int, str]]) -> None:
+    """The reads of wanted boxes of tensors with few stored boxes, all of one ndim and checksum
+    kind: their boxes concatenated, every (stored box, wanted box of its tensor) pair intersected
+    in one numpy pass, records made for the overlaps only (one per tensor with a 1:1 layout)."""
+    cols = [g[3] for g in group]
+    counts = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
+    owner = np.repeat(np.arange(len(cols)), counts)
+    offs = np.concatenate([c.offsets for c in cols]).reshape(len(owner), ndim)
+    lens = np.concatenate([c.lengths for c in cols]).reshape(len(owner), ndim)
+    q_lo = np.array([g[2].offsets for g in group], dtype=np.int64).reshape(len(cols), ndim)
+    q_hi = q_lo + np.array([g[2].lengths for g in group], dtype=np.int64).reshape(len(cols), ndim)
+    lo = np.maximum(offs, q_lo[owner])
+    n = np.minimum(offs + lens, q_hi[owner]) - lo
+    hit = np.flatnonzero((n > 0).all(axis=1))
+    numel = n[hit].prod(axis=1)
+    covered = np.zeros(len(cols), dtype=np.int64)
+    np.add.at(covered, owner[hit], numel)
+    for k in np.flatnonzero(covered < np.array([g[2].numel for g in group], dtype=np.int64)).tolist():
+        gaps.append((group[k][0], _gap(group[k][1], int(covered[k]), group[k][2])))
+    if not len(hit):
+        return
+    who = owner[hit]
+    file = np.concatenate([c.file for c in cols])[hit].tolist()
+    offset = np.concatenate([c.offset for c in cols])[hit].tolist()
+    nbytes = np.concatenate([c.nbytes for c in cols])[hit].tolist()
+    if chunk_bytes is None:
+        sums = [None] * len(hit)
+    else:
+        # Each tensor's sums_start has one more row than it has boxes and counts in its own crcs.
+        crc_base = np.zeros(len(cols), dtype=np.int64)
+        crc_base[1:] = np.cumsum(np.fromiter((len(c.crcs) for c in cols[:-1]), dtype=np.int64, count=len(cols) - 1))
+        starts = np.concatenate([c.sums_start for c in cols])
+        at = hit + who
+        s0 = (starts[at] + crc_base[who]).tolist()
+        s1 = (starts[at + 1] + crc_base[who]).tolist()
+        crcs = np.concatenate([c.crcs for c in cols]).tolist()
+        sums = [Sums(a, a + b, chunk_bytes or max(1, b), tuple(crcs[i:j]))
+                for a, b, i, j in zip(offset, nbytes, s0, s1)]
+    saved_offs = map(tuple, offs[hit].tolist())
+    saved_lens = map(tuple, lens[hit].tolist())
+    regions = zip(map(tuple, lo[hit].tolist()), map(tuple, n[hit].tolist()))
+    for k, so, sl, f, a, b, sm, (ro, rl) in zip(who.tolist(), saved_offs, saved_lens, file, offset, nbytes, sums,
+                                                 regions):
+        di, name = group[k][0], group[k][1]
+        per_box[di].append(ReadItem(name, di, SavedBox(so, sl, f, a, b, sm), Box(ro, rl)))
 
 
 def _index(entry) -> BoxIndex:
@@ -95,6 +168,27 @@ def _index(entry) -> BoxIndex:
     if cols is not None:
         return BoxIndex(cols.offsets, cols.lengths)
     return BoxIndex.of(entry.boxes, len(entry.shape))
+
+
+def _saved_boxes(entry, rows: np.ndarray) -> list[SavedBox]:
+    """The SavedBoxes of rows `rows` of `entry`, equal to entry.boxes[i], but made from its columns
+    for those rows only: a tensor of 10^4 boxes of which a rank reads ten costs ten records."""
+    cols = getattr(entry, "columns", None)
+    if cols is None:
+        boxes = entry.boxes
+        return [boxes[i] for i in rows.tolist()]
+    offs = map(tuple, cols.offsets[rows].tolist())
+    lens = map(tuple, cols.lengths[rows].tolist())
+    file, offset, nbytes = cols.file[rows].tolist(), cols.offset[rows].tolist(), cols.nbytes[rows].tolist()
+    if cols.chunk_bytes is None:
+        return [SavedBox(o, n, f, a, b, None) for o, n, f, a, b in zip(offs, lens, file, offset, nbytes)]
+    cb = cols.chunk_bytes
+    s0, s1 = cols.sums_start[rows].tolist(), cols.sums_start[rows + 1].tolist()
+    # rows ascend, so their CRCs lie in one stretch: one conversion, then list slices
+    base = s0[0]
+    crcs = cols.crcs[base:s1[-1]].tolist()
+    return [SavedBox(o, n, f, a, b, Sums(a, a + b, cb or max(1, b), tuple(crcs[i - base:j - base])))
+            for o, n, f, a, b, i, j in zip(offs, lens, file, offset, nbytes, s0, s1)]
 
 
 ItemKey = tuple   # (tensor name, file, byte offset of the saved box, region offsets, region lengths)

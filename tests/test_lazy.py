@@ -1,0 +1,333 @@
+"""Lazy snapshots (save(async_save=True), snapshot="lazy" by default) and the staging budget.
+
+A lazy save returns after planning and an eager copy of what training can change at any time
+(buffers, user tensors, objects); parameters and optimizer state are copied in the background
+while every optimizer's step() waits for that copy. The checkpoint must hold exactly the values of
+the save call although optimizer steps (and forwards that move BatchNorm statistics) ran before
+wait(). To make that a real test, the background copy is held back (`_hold_copier`): without the
+fence the steps would run before the copy and reach the checkpoint.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import omnickpt
+from dist import run_ranks
+from models import ToyMLP, apply_layout
+from omnickpt.errors import CheckpointError
+
+
+class BNMLP(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear: forward changes the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.bn = nn.BatchNorm1d(13)
+        self.fc2 = nn.Linear(13, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return [self.fc1, self.fc2]
+
+
+def _hold_copier(ckpt: omnickpt.Checkpointer, seconds: float = 0.3) -> None:
+    """Keep the Checkpointer's background threads (the snapshot thread, and the persist thread,
+    which makes the copy itself if it comes first) busy for `seconds`: a lazy copy submitted now
+    starts only after that, so that whatever the training thread does meanwhile races with it."""
+    gate = threading.Event()
+    ckpt._snapshot_thread().submit(gate.wait)
+    ckpt._persist.submit(gate.wait)
+    threading.Timer(seconds, gate.set).start()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.to_local() if hasattr(t, "to_local") else t).clone()
+
+
+def local_values(model: nn.Module, opt) -> dict:
+    """This rank's own memory of every parameter, buffer and optimizer state tensor, by position
+    (a fresh model in the same layout holds the same local shards)."""
+    out = {f"param{i}": _local(p) for i, p in enumerate(model.parameters())}
+    out.update({f"buffer{i}": _local(b) for i, b in enumerate(model.buffers())})
+    inner = getattr(opt, "optimizer", opt)
+    params = [p for g in inner.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for k, v in inner.state[p].items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim{i}/{k}"] = _local(v)
+    return out
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _build(kind: str, seed: int, env: dict):
+    torch.manual_seed(seed)
+    if kind == "tp":
+        model = apply_layout(ToyMLP(), "tp", mesh=env["mesh"])
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        model = BNMLP()
+        model.fc1 = FSDP(model.fc1, device_id=torch.device("cpu"))
+        model = FSDP(model, device_id=torch.device("cpu"))
+    else:
+        model = apply_layout(BNMLP(), kind, mesh=env["mesh"])
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _train(model, opt, step: int, rank: int, forward: bool = True) -> None:
+    """A forward (BatchNorm statistics move), a backward, an optimizer step. forward=False:
+    gradients from the parameters alone (ToyMLP's 13 columns do not split evenly for a TP forward)."""
+    if forward:
+        x = torch.randn(6, 7, generator=torch.Generator().manual_seed(100 * step))   # replicated buffers stay equal
+        model(x).square().mean().backward()
+    else:
+        for p in model.parameters():
+            p.grad = torch.cos(p.detach() * (3.0 + step)) * 0.1
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _frameworks(rank, world_size, root):
+    from torch.distributed.device_mesh import DeviceMesh
+    env = {"mesh": DeviceMesh("cpu", torch.arange(world_size))}
+    out = {}
+    ckpt = omnickpt.Checkpointer()
+    for kind in ("ddp", "fsdp2", "tp", "fsdp1"):
+        model, opt = _build(kind, 0, env)
+        fwd = kind != "tp"
+        _train(model, opt, 0, rank, fwd)
+        state = {"model": model, "optim": opt, "extra": {"counter": torch.tensor([kind == "tp"]), "note": kind}}
+        want = local_values(model, opt)
+        _hold_copier(ckpt)
+        handle = ckpt.save(f"{root}/{kind}", state, async_save=True)
+        for step in (1, 2, 3):
+            _train(model, opt, step, rank, fwd)   # each step waits for the lazy copy; forwards change BN at once
+        moved = _differ(want, local_values(model, opt))
+        report = handle.wait()
+        fresh, fresh_opt = _build(kind, 7, env)
+        _train(fresh, fresh_opt, 9, rank, fwd)
+        ckpt.load(f"{root}/{kind}", {"model": fresh, "optim": fresh_opt, "extra": {}}, strict=False)
+        out[kind] = {"moved": moved, "differ": _differ(want, local_values(fresh, fresh_opt)),
+                     "lazy_phase": "snapshot_lazy" in report["phases"],
+                     "hooks_left": sum(len(o._optimizer_step_pre_hooks) for o in [opt])}
+    ckpt.close()
+    return out
+
+
+def test_lazy_snapshot_holds_the_values_of_the_save_call_ddp_fsdp2_tp_fsdp1(tmp_path):
+    results = run_ranks(2, _frameworks, str(tmp_path))
+    for rank, res in enumerate(results):
+        for kind, r in res.items():
+            assert r["moved"], (rank, kind, "the steps after the save changed nothing: the test tests nothing")
+            assert any(k.startswith("param") for k in r["moved"]), (rank, kind, r["moved"])
+            if kind != "tp":
+                assert any(k.startswith("buffer") for k in r["moved"]), (rank, kind, "BatchNorm did not move")
+            assert r["differ"] == [], (rank, kind, r["differ"])
+            assert r["lazy_phase"], (rank, kind)
+            assert r["hooks_left"] == 0, (rank, kind)   # wait() took the fence's hooks off
+
+
+def _megatron(rank, world_size, root):
+    import test_megatron as tm
+    model = tm.build(2, 1, tm.padded(tm.VOCAB, 2), seed=0)
+    opt = tm.megatron_fp32_optimizer(model)
+    tm.train_step(model, opt, 0)
+    ckpt = omnickpt.Checkpointer()
+    want = local_values(model, opt)
+    _hold_copier(ckpt)
+    handle = ckpt.save(f"{root}/m", {"model": model, "optim": opt}, async_save=True)
+    for step in (1, 2):
+        tm.train_step(model, opt, step)
+    moved = _differ(want, local_values(model, opt))
+    handle.wait()
+    fresh = tm.build(2, 1, tm.padded(tm.VOCAB, 2), seed=3)
+    fresh_opt = tm.megatron_fp32_optimizer(fresh)
+    tm.train_step(fresh, fresh_opt, 5)
+    ckpt.load(f"{root}/m", {"model": fresh, "optim": fresh_opt})
+    ckpt.close()
+    return moved, _differ(want, local_values(fresh, fresh_opt))
+
+
+def test_lazy_snapshot_megatron_tp2(tmp_path):
+    pytest.importorskip("megatron.core")
+    for rank, (moved, differ) in enumerate(run_ranks(2, _megatron, str(tmp_path))):
+        assert moved, rank
+        assert differ == [], (rank, differ)
+
+
+# ---------------------------------------------------------------------- one process
+def _plain(seed: int = 0):
+    torch.manual_seed(seed)
+    model = BNMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, opt, 0, 0)
+    return model, opt
+
+
+def _load_values(ckpt, path: str) -> dict:
+    model, opt = _plain(5)
+    ckpt.load(path, {"model": model, "optim": opt})
+    return local_values(model, opt)
+
+
+def test_fence_then_in_place_edit_does_not_reach_the_checkpoint(tmp_path):
+    model, opt = _plain()
+    with omnickpt.Checkpointer() as ckpt:
+        want = local_values(model, opt)
+        _hold_copier(ckpt, 0.2)
+        handle = ckpt.save(tmp_path / "a", {"model": model, "optim": opt}, async_save=True)
+        handle.fence()   # waits for the background copy
+        assert not opt._optimizer_step_pre_hooks   # and took the hooks off from this thread
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.0)
+        handle.wait()
+        assert _differ(want, _load_values(ckpt, str(tmp_path / "a"))) == []
+
+
+def test_eager_snapshot_copies_everything_before_returning(tmp_path):
+    model, opt = _plain()
+    with omnickpt.Checkpointer() as ckpt:
+        want = local_values(model, opt)
+        _hold_copier(ckpt, 0.2)   # an eager snapshot does not use the copier: nothing waits for it
+        handle = ckpt.save(tmp_path / "e", {"model": model, "optim": opt}, async_save=True, snapshot="eager")
+        assert handle._fence is None and not opt._optimizer_step_pre_hooks
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.0)   # right after the call: the eager contract allows it
+        report = handle.wait()
+        assert "snapshot_lazy" not in report["phases"]
+        assert _differ(want, _load_values(ckpt, str(tmp_path / "e"))) == []
+
+
+def test_the_next_save_and_load_wait_for_the_lazy_copy(tmp_path):
+    model, opt = _plain()
+    with omnickpt.Checkpointer() as ckpt:
+        want = local_values(model, opt)
+        _hold_copier(ckpt, 0.3)
+        h1 = ckpt.save(tmp_path / "a", {"model": model, "optim": opt}, async_save=True)
+        assert opt._optimizer_step_pre_hooks   # the fence holds the step
+        # a load into the same objects must not be copied by the save still in flight
+        ckpt.save(tmp_path / "b", {"model": BNMLP()}).wait()
+        assert not opt._optimizer_step_pre_hooks   # the next save removed them
+        ckpt.load(tmp_path / "b", {"model": model})
+        h1.wait()
+        assert _differ(want, _load_values(ckpt, str(tmp_path / "a"))) == []
+
+
+def test_a_failed_background_copy_releases_the_fence_and_fails_the_save(tmp_path, monkeypatch):
+    from omnickpt.engine import save as engine_save
+    model, opt = _plain()
+    real = engine_save._copy_into
+    calls = []
+
+    def failing(buf, shards, placed):
+        calls.append(len(placed))
+        if len(calls) == 2:   # the lazy copy (the first is the eager one)
+            raise RuntimeError("simulated copy failure")
+        return real(buf, shards, placed)
+    monkeypatch.setattr(engine_save, "_copy_into", failing)
+    with omnickpt.Checkpointer() as ckpt:
+        handle = ckpt.save(tmp_path / "f", {"model": model, "optim": opt}, async_save=True)
+        _train(model, opt, 1, 0)   # released (with the error): the step goes on
+        with pytest.raises(CheckpointError, match="simulated copy failure"):
+            handle.wait()
+        assert not omnickpt.is_committed(str(tmp_path / "f"))
+        assert len(calls) == 2
+
+
+def test_snapshot_keyword_is_checked(tmp_path):
+    model, opt = _plain()
+    with pytest.raises(ValueError, match="snapshot="):
+        omnickpt.save(tmp_path / "x", {"model": model}, async_save=True, snapshot="later")
+
+
+# ---------------------------------------------------------------------- the staging budget
+def _big_state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(8, 256)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("snapshot", ["lazy", "eager"])
+def test_a_budget_smaller_than_the_state_saves_exactly_and_holds(tmp_path, snapshot):
+    model, opt = _big_state()
+    extra = {"table": torch.randn(300)}
+    want = local_values(model, opt)
+    want_extra = extra["table"].clone()
+    budget = 256 << 10   # the state is ~3.2 MB
+    with omnickpt.Checkpointer(staging_budget=budget) as ckpt:
+        for i in range(2):   # the second save reuses what the first left in the pool
+            handle = ckpt.save(tmp_path / f"s{i}", {"model": model, "optim": opt, "extra": extra},
+                               async_save=True, snapshot=snapshot)
+            if snapshot == "eager":
+                with torch.no_grad():   # save() waited until everything was written: nothing reaches it
+                    for p in model.parameters():
+                        p.add_(1.0)
+                    extra["table"].add_(1.0)
+            else:
+                model(torch.randn(8, 256)).square().mean().backward()
+                opt.step()   # held until the parts written from the tensors' own memory are written
+                opt.zero_grad()
+            report = handle.wait()
+            assert ckpt._pool.peak <= budget
+            assert ckpt._pool.held <= budget
+            fresh, fresh_opt = _big_state(3)
+            got_extra = {"table": torch.zeros(300)}
+            ckpt.load(tmp_path / f"s{i}", {"model": fresh, "optim": fresh_opt, "extra": got_extra})
+            assert _differ(want, local_values(fresh, fresh_opt)) == []
+            assert torch.equal(got_extra["table"], want_extra)
+            want, want_extra = local_values(model, opt), extra["table"].clone()
+        if "peak_rss_mb" in report:
+            assert len(report["peak_rss_mb"]) == 1 and report["peak_rss_mb"][0] > 0
+
+
+def test_release_staging_frees_the_pool_after_each_save(tmp_path):
+    model, opt = _big_state()
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        ckpt.save(tmp_path / "a", {"model": model, "optim": opt}, async_save=True).wait()
+        assert ckpt._pool.held == 0
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.save(tmp_path / "b", {"model": model, "optim": opt}, async_save=True).wait()
+        assert ckpt._pool.held > 3 << 20   # kept warm for the next save (the state is ~3.2 MB)
+
+
+def test_peak_rss_is_in_the_save_report(tmp_path):
+    model, opt = _big_state()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("/proc/self/clear_refs is not writable here: the report leaves the peak out")
+    report = omnickpt.save(tmp_path / "a", {"model": model, "optim": opt}).wait()
+    assert len(report["peak_rss_mb"]) == 1 and report["peak_rss_mb"][0] > 1
+
+
+def test_the_manager_passes_snapshot_through(tmp_path):
+    model, opt = _plain()
+    want = local_values(model, opt)
+    with omnickpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        handle = mgr.save(1, {"model": model, "optim": opt}, async_save=True, snapshot="eager")
+        assert handle._fence is None
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.0)
+        mgr.wait()
+        fresh, fresh_opt = _plain(5)
+        mgr.load_latest({"model": fresh, "optim": fresh_opt})
+    assert _differ(want, local_values(fresh, fresh_opt)) == []
