@@ -270,6 +270,7 @@ class CheckpointManager:
         cadence.saved(step)
         if async_save:
             self._started, self._flight_calls = (t0, stall), 0
+            self._busy = True    # the next step runs with this save in flight (and may wait at its fence)
         else:
             cadence.observe_save(stall, 0.0, 0)
         if cadence.every == "auto":
