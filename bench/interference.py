@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, root: str, workload: str, framework: str, lib
             handle = lib.async_save(os.path.join(root, f"{name}-{r}"), model, opt, module)
             n = 0
             # Step until this rank's part is durable (both libraries' handles say done then).
-            while not _done(handle):
+            while not handle.done():
                 t0 = time.perf_counter()
                 train_step(model, module, opt, gen)
                 busy.append(time.perf_counter() - t0)
@@ -62,10 +62,6 @@ def _worker(rank: int, world: int, root: str, workload: str, framework: str, lib
         lib.close()
         out[name] = {"base": base, "busy": busy, "flight": flights, "steps_in_flight": overlapped}
     return out
-
-
-def _done(handle) -> bool:
-    return handle.done()
 
 
 def main(argv=None) -> int:
