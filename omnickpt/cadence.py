@@ -78,8 +78,10 @@ class Cadence:
         self._in_flight_steps: deque[int] = deque(maxlen=_WINDOW)
         self._last_saved: int | None = None
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
-        # ranks agreed on (the coordinator's, handed out at each save); None: this rank's own.
+        # ranks agreed on (the coordinator's, handed out at each save), with the measurements it was
+        # chosen from; None: this rank's own, on its measurements now.
         self.agreed: int | None = None
+        self._basis: tuple[float | None, float | None, float | None, float | None] | None = None
 
     # ------------------------------------------------------------------ measurements
     def observe_call(self, step: int, now: float, in_flight: bool) -> None:
@@ -129,6 +131,17 @@ class Cadence:
                                self.interference_s(), max_overhead=self.max_overhead,
                                max_interval=self.max_interval)
 
+    def basis(self) -> tuple[float | None, float | None, float | None, float | None]:
+        """The measurements an interval is chosen from now: (step, stall, background, interference)."""
+        stall = statistics.median(self._stalls) if self._stalls else None
+        background = statistics.median(self._backgrounds) if self._backgrounds else None
+        return self.step_s, stall, background, (self.interference_s() if stall is not None else None)
+
+    def adopt(self, interval: int, basis: tuple[float | None, float | None, float | None, float | None]) -> None:
+        """Put in force an interval the ranks agreed on and the measurements it was chosen from
+        (the report then says the same interval and the figures that give it)."""
+        self.agreed, self._basis = interval, tuple(basis)
+
     def due(self, step: int, in_flight: bool) -> bool:
         if self.every == "continuous":
             return not in_flight
@@ -139,10 +152,10 @@ class Cadence:
         return step - self._last_saved >= (self.agreed or self.interval())
 
     def report(self) -> CadenceReport:
-        interval, step = (self.agreed or self.interval()) if self.every == "auto" else self.interval(), self.step_s
-        stall = statistics.median(self._stalls) if self._stalls else None
-        background = statistics.median(self._backgrounds) if self._backgrounds else None
-        interference = self.interference_s() if stall is not None else None
+        if self.every == "auto" and self.agreed is not None and self._basis is not None:
+            interval, (step, stall, background, interference) = self.agreed, self._basis
+        else:
+            interval, (step, stall, background, interference) = self.interval(), self.basis()
         overhead = None
         if interval and step and stall is not None:
             overhead = (stall + (interference or 0.0)) / (interval * step)

@@ -274,9 +274,9 @@ class CheckpointManager:
         else:
             cadence.observe_save(stall, 0.0, 0)
         if cadence.every == "auto":
-            mine = cadence.interval()
-            cadence.agreed = (self._comm.broadcast_object(mine, step="cadence") if self._comm.world_size > 1
-                              else mine)
+            mine = (cadence.interval(), cadence.basis())
+            cadence.adopt(*(self._comm.broadcast_object(mine, step="cadence") if self._comm.world_size > 1
+                            else mine))
 
     def cadence_report(self) -> dict | None:
         """With every=: the mode, the interval in force, and what it was chosen from (seconds per
