@@ -25,7 +25,8 @@ from omnickpt.adapters import check_framework, collect_load, collect_save
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, StagingPool, build_manifest, collect_garbage, persist, read_objects, snapshot
 from omnickpt.engine.load import LANDING_BYTES, check_file_sizes, forward_replicas, land_tensors
-from omnickpt.engine.save import data_file_name, stage_layout
+from omnickpt.engine.incremental import BLOCK_BYTES, Base, WriteMeta
+from omnickpt.engine.save import Incremental, data_file_name, stage_layout
 from omnickpt.engine.staging import gc_paused
 from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
 from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, PlanError, UnsupportedError,
@@ -41,6 +42,7 @@ from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, plan_r
 from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.planner.match import LoadMatch, Selection, match_targets
 from omnickpt.storage import Storage, storage_for
+from omnickpt.storage.linked import with_siblings
 
 REPORT_NAME = "report.json"
 log = logging.getLogger("omnickpt")
@@ -226,7 +228,8 @@ class Checkpointer:
     def save(self, path: str, state: dict, *, async_save: bool = False, process_group: Any = None,
              allow_pickle: bool = False, durable: bool = True, check_replicas: bool = False, role: str | None = None,
              metadata: dict | None = None, on_commit: Callable[[Manifest], None] | None = None,
-             compression: str | None = None, snapshot: str | None = None) -> SaveHandle:
+             compression: str | None = None, snapshot: str | None = None, incremental: bool = False,
+             base: str | None = None, full_every: int | None = None) -> SaveHandle:
         """Every rank. See omnickpt.save. Phases: collect (adapters, records, objects encoded),
         settle (one all-gather: digests, save id, paths, errors), plan (a gather and a scatter
         when the plan is not cached), snapshot (the stall ends here; a lazy one leaves the copy
@@ -238,6 +241,7 @@ class Checkpointer:
         if snapshot not in (None, "lazy", "eager"):
             raise ValueError(f"snapshot={snapshot!r}: expected 'lazy' (the default of async saves) or 'eager'")
         lazy = async_save and snapshot != "eager"
+        _check_incremental(incremental, base, full_every, compression)
         self._await_snapshots()
         path = str(path)
         comm = self.comm(process_group)
@@ -248,15 +252,18 @@ class Checkpointer:
         if prev is not None and not prev.done():
             raise CheckpointError(f"a save to {path} is still in progress; wait() for it before saving there again")
 
-        collected, error = _Collected(), None
+        collected, error, chain = _Collected(), None, None
         try:
             collected = _collect(state, comm, timer, allow_pickle, check_replicas, role, metadata)
+            if incremental and comm.is_coordinator:
+                with timer.phase("plan"):
+                    chain = _chain_base(path, base, full_every)
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
             gathered = comm.settle(f"save to {path}, step plan", error,
                                    (collected.digest, uuid.uuid4().hex[:16], storage.describe(), collected.replicas,
-                                    collected.batch.table_digest if collected.batch is not None else None))
+                                    collected.batch.table_digest if collected.batch is not None else None, chain))
         if check_replicas:
             _check_replicas([g[3] for g in gathered], path)
         # Each rank would write its file where it was told and the manifest would name files that
@@ -284,7 +291,9 @@ class Checkpointer:
         job = functools.partial(self._persist_and_commit, storage, snap, comm, plan, save_id, collected.layout,
                                 durable, timer, t_start, on_commit, async_save, compression=compression,
                                 itemsizes=[collected.shards[w.index].local.element_size() for w in writes]
-                                if compression else ())
+                                if compression else (),
+                                incremental=_incremental_job(gathered[0][5], collected, writes) if incremental
+                                else None)
         if not async_save:
             report = job()
             return SaveHandle(path, save_id, storage, None, report, comm.is_coordinator, self.timeout)
@@ -365,7 +374,7 @@ class Checkpointer:
             raise
 
     def _persist_and_commit(self, storage, snap, comm, plan, save_id, layout, durable, timer, t_start,
-                            on_commit, background, compression=None, itemsizes=()):
+                            on_commit, background, compression=None, itemsizes=(), incremental=None):
         """Every rank, after the snapshot (in the background for an async save). The coordinator
         holds the checkpoint path's lease from before any byte is written until after the commit
         and garbage collection, so that a second live job writing the same path is refused instead
@@ -379,19 +388,25 @@ class Checkpointer:
         try:
             return self._persist_and_commit_owned(storage, snap, comm, plan, save_id, layout, durable, timer,
                                                   t_start, on_commit, background, lease, locked, compression,
-                                                  itemsizes)
+                                                  itemsizes, incremental)
         finally:
             if lease is not None:
                 lease.release()
 
     def _persist_and_commit_owned(self, storage, snap, comm, plan, save_id, layout, durable, timer, t_start,
-                                  on_commit, background, lease, locked, compression=None, itemsizes=()):
+                                  on_commit, background, lease, locked, compression=None, itemsizes=(),
+                                  incremental=None):
+        """`incremental`: (this rank's engine.save.Incremental, the manifest's incremental header)."""
+        header = None
         try:
             if locked is not None:
                 raise locked
             snap.finish(timer)   # a lazy snapshot's copies (made on the copier thread: waited for here)
+            rank_inc = None
+            if incremental is not None:
+                rank_inc, header = incremental() if callable(incremental) else incremental
             result = persist(storage, snap, comm.rank, save_id, self._io, durable=durable, timer=timer,
-                             compression=compression, itemsizes=itemsizes)
+                             compression=compression, itemsizes=itemsizes, incremental=rank_inc)
         except Exception as e:
             result = RankResult(comm.rank, None, 0, [], error=f"rank {comm.rank}: {type(e).__name__}: {e}",
                                 error_class=type(e).__name__)
@@ -421,14 +436,16 @@ class Checkpointer:
                     raise rebuild_error(result.error_class, result.error)
                 return None
             results = self._await_results(storage, save_id, comm.world_size)
-            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit, lease)
+            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit, lease,
+                                           header)
             if outcome is not None:
                 raise rebuild_error(*outcome)
             return report
         results = comm.gather_object(result, step=f"save to {storage.describe()}, step commit")
         outcome, report = (None, None)
         if comm.is_coordinator:
-            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit, lease)
+            outcome, report = self._commit(storage, plan, results, save_id, layout, t_start, on_commit, lease,
+                                           header)
         outcome, report = comm.broadcast_object((outcome, report), step=f"save to {storage.describe()}, step commit")
         if outcome is not None:
             _discard_own_file(storage, save_id, comm.rank)   # node-local storage: the coordinator cannot
@@ -446,7 +463,7 @@ class Checkpointer:
             raise
         return [RankResult(**d) for d in records]
 
-    def _commit(self, storage, plan, results, save_id, layout, t_start, on_commit, lease=None):
+    def _commit(self, storage, plan, results, save_id, layout, t_start, on_commit, lease=None, incremental=None):
         """Coordinator only. Returns (None or (error class name, message), report). A failed save's
         data files are removed (the previous checkpoint's are never touched: their names carry
         another save id); a committed one is never removed, even if a step after it failed."""
@@ -461,7 +478,8 @@ class Checkpointer:
         committed = False
         try:
             t0 = time.perf_counter()
-            manifest = build_manifest(plan, results, save_id=save_id, layout=layout, tool_version=__version__)
+            manifest = build_manifest(plan, results, save_id=save_id, layout=layout, tool_version=__version__,
+                                      incremental=incremental)
             storage.commit(MANIFEST_NAME, manifest.encode())
             committed = True
             commit_seconds = time.perf_counter() - t0
@@ -476,6 +494,11 @@ class Checkpointer:
             peaks = [r.timings.get("bytes", {}).get("peak_rss") for r in results]
             if all(p is not None for p in peaks):
                 report["peak_rss_mb"] = [p / 2**20 for p in peaks]
+            if incremental is not None:
+                report["incremental"] = {
+                    "base": incremental["base"], "chain": incremental["chain"],
+                    "written_bytes": sum(r.bytes for r in results),
+                    "referenced_bytes": sum(r.timings.get("bytes", {}).get("referenced", 0) for r in results)}
             _put_json(storage, REPORT_NAME, report)
             commit.set_status(storage, save_id)
             collect_garbage(storage, manifest)
@@ -574,6 +597,8 @@ class Checkpointer:
         """Every rank, no collective: read the manifest, prepare and match the targets, plan the
         reads and check that the files hold the bytes planned."""
         manifest = _bind_foreign(read_manifest(job.storage, job.raw_manifest), job.state)
+        # An incremental checkpoint's unchanged blocks lie in files of checkpoints next to it.
+        job.storage = with_siblings(job.storage, job.path, manifest.files)
         for transform in transforms:   # rewrite the manifest into the target's naming and fusing (pure)
             manifest = transform.apply(manifest)
         job.manifest = manifest
@@ -698,6 +723,68 @@ class _Collected:
     layout: dict = dataclasses.field(default_factory=dict)
     replicas: list = dataclasses.field(default_factory=list)
     batch: Any = None             # the records as arrays (planner.RecordBatch), sent to the coordinator
+
+
+def _check_incremental(incremental: bool, base: str | None, full_every: int | None, compression: str | None) -> None:
+    if not incremental and (base is not None or full_every is not None):
+        raise ValueError("base= and full_every= are options of incremental saves: pass incremental=True")
+    if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1):
+        raise ValueError(f"full_every={full_every!r}: must be a positive int (a full save every that many saves)")
+    if incremental and compression is not None:
+        raise UnsupportedError(f"incremental=True with compression={compression!r}: an incremental save writes "
+                               "raw blocks; use one or the other")
+
+
+def _folder_parts(path: str) -> tuple[str, str]:
+    """(parent, name) of a checkpoint path or URL."""
+    if "://" not in path:
+        path = os.path.abspath(path)
+    parent, _, name = path.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def _chain_base(path: str, base: str | None, full_every: int | None) -> tuple[bytes | None, str | None, int]:
+    """Coordinator of an incremental save: (the base's manifest, the base's folder name (None: the
+    checkpoint at `path` itself), this save's place in the chain: 0 for a full save). A full save
+    when there is no base yet, the base holds no block hashes (an ordinary save) or the chain has
+    reached full_every; a base given but absent or damaged is an error (nothing is written)."""
+    where = path if base is None else str(base)
+    name = None
+    if base is not None:
+        (parent, name), (own_parent, own) = _folder_parts(where), _folder_parts(path)
+        if name == own and parent == own_parent:
+            name = None
+        elif parent != own_parent:
+            raise ValueError(f"base={base!r}: an incremental checkpoint references data of a checkpoint folder next "
+                             f"to it; {path} and {base} are not in the same folder")
+    store = storage_for(where)
+    if not store.exists(MANIFEST_NAME):
+        if base is not None and name is not None:
+            raise CheckpointError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing)")
+        return None, None, 0
+    data = store.read_bytes(MANIFEST_NAME)
+    head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
+    if not head.block_bytes or head.compression or (full_every is not None and head.chain + 1 >= full_every):
+        return None, None, 0
+    return data, name, head.chain + 1
+
+
+def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[[], tuple]:
+    """This rank's part of an incremental save, made in the background persist (the base's
+    manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
+    data, name, depth = chain
+    metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
+                       s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
+
+    def make() -> tuple:
+        base = None
+        if data is not None:
+            manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})
+            base = Base(manifest, name)
+        return (Incremental(metas, base, base.block_bytes if base is not None else BLOCK_BYTES),
+                {"block_bytes": base.block_bytes if base is not None else BLOCK_BYTES,
+                 "base": name if data is not None else None, "chain": depth})
+    return make
 
 
 @gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
@@ -884,7 +971,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
          durable: bool = True, check_replicas: bool = False, framework: str | None = None,
          fast_saving: bool | None = None, global_steps: int | None = None, callback: Callable[[], None] | None = None,
          role: str | None = None, metadata: dict | None = None, checkpointer: Checkpointer | None = None,
-         compression: str | None = None, snapshot: str | None = None) -> SaveHandle:
+         compression: str | None = None, snapshot: str | None = None, incremental: bool = False,
+         base: str | None = None, full_every: int | None = None) -> SaveHandle:
     """Save `state` (a dict of modules, optimizers, stateful objects, tensors, plain values) to `path`.
 
     Every rank of the process group calls it. With async_save=True it returns once the state is
@@ -900,6 +988,11 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     across the ranks that hold it and refuses to save replicas that differ (a forgotten broadcast).
     compression="zstd" or "bytesplit-zstd" compresses each 1 MiB chunk of tensor data in the
     background persist (docs/format.md); loads, verify and the readers decompress transparently.
+    incremental=True writes only the blocks (rows, ~64 KiB each) whose content changed since
+    `base` (a checkpoint folder next to `path`; default: the checkpoint at `path` itself, which
+    is then replaced) and references the base's bytes for the others; a full save when there is
+    no base with block hashes yet, or every `full_every` saves. Loading is unchanged; retention of
+    a CheckpointManager keeps referenced data (CheckpointManager(incremental=True) does all this).
     """
     check_framework(state, framework)
     if fast_saving is not None:
@@ -919,7 +1012,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     return ckpt.save(path, state, async_save=async_save, process_group=process_group, allow_pickle=allow_pickle,
                      durable=durable, check_replicas=check_replicas, role=role, metadata=metadata,
                      on_commit=on_commit if (global_steps is not None or callback is not None) else None,
-                     compression=compression, snapshot=snapshot)
+                     compression=compression, snapshot=snapshot, incremental=incremental, base=base,
+                     full_every=full_every)
 
 
 def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,

@@ -73,7 +73,7 @@ class CheckpointManager:
     def __init__(self, root: str, *, keep_last: int | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, read_only: bool = False, on_error: str = "raise", memory: None = None,
                  every: int | str | None = None, max_overhead: float = 0.02, max_interval: int = 10_000,
-                 **memory_options):
+                 incremental: bool = False, full_every: int | None = 10, **memory_options):
         # Memory options without `memory` were always accepted and ignored (call sites pass
         # memory=None to turn the tier off); anything else is a typo.
         from_tier = {"memory_keep", "persist_every", "ranks_per_node", "peer_replicas", "persist_on_failure",
@@ -83,6 +83,13 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {unknown}")
         self._setup(root, keep_last, checkpointer, process_group, read_only, on_error,
                     cadence_of(every, max_overhead, max_interval))
+        if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int)
+                                       or full_every < 1):
+            raise ValueError(f"full_every={full_every!r}: must be a positive int (a full save every that many saves)")
+        # Incremental: each save writes only the blocks changed since the previous committed step
+        # and references that step's data; a full save every `full_every` saves bounds how far back
+        # retention must keep data (omnickpt/steps.py keeps what a kept step references).
+        self.incremental, self.full_every = bool(incremental), full_every
         if not read_only:
             error = None
             if self._comm.is_coordinator:
@@ -130,6 +137,7 @@ class CheckpointManager:
         self._last_step: int | None = None        # the newest step given to save(): guard()'s to save
         self._run = self._job_id                  # agreed by the ranks in __init__ (several ranks)
         self.failure_save: dict | None = None     # what guard() did when the job failed
+        self.incremental, self.full_every = False, None   # set by CheckpointManager(incremental=True)
 
     def step_path(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -307,6 +315,8 @@ class CheckpointManager:
         if not self._saved:
             self._warn_newer_in_root(step)
         self._saved.add(step)
+        if self.incremental:
+            kwargs = {**kwargs, **self._incremental_options(step)}
         try:
             handle = self._ckpt.save(self.step_path(step), state, async_save=async_save, process_group=self._group,
                                      on_commit=lambda _m, step=step: self._after_commit(step), **kwargs)
@@ -316,6 +326,15 @@ class CheckpointManager:
             raise
         self._pending = (step, handle) if async_save else None
         return handle
+
+    def _incremental_options(self, step: int) -> dict:
+        """The save options of an incremental step: its base is the newest committed step before it
+        (the coordinator reads that step's manifest; every rank passes the same path)."""
+        earlier = [s for s in committed_steps(self._storage) if s < step] if self._comm.is_coordinator else []
+        if self._comm.world_size > 1:
+            earlier = self._comm.broadcast_object(earlier, step="incremental base")
+        base = self.step_path(earlier[-1]) if earlier else None
+        return {"incremental": True, "base": base, "full_every": self.full_every}
 
     def wait(self) -> dict | None:
         """Wait for the in-flight async save, if any (with a memory tier: its commit in memory and

@@ -31,6 +31,7 @@ from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import plan_reads
 from omnickpt.storage import storage_for
+from omnickpt.storage.linked import with_siblings
 
 # Spellings accepted wherever a dtype is given as text (command line, convert(dtype="bf16")).
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
@@ -141,6 +142,7 @@ class CheckpointReader:
         self.path = str(path)
         self._storage = storage_for(self.path)
         manifest = read_manifest(self._storage)
+        self._storage = with_siblings(self._storage, self.path, manifest.files)   # incremental: see storage/linked.py
         for transform in transforms:
             manifest = transform.apply(manifest)
         self._manifest = manifest

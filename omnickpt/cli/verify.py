@@ -16,6 +16,7 @@ from omnickpt.errors import CheckpointError
 from omnickpt.format.objects import validate_object
 from omnickpt.format import MANIFEST_NAME, Manifest, checksum, tiling_problem
 from omnickpt.storage import Storage, storage_for
+from omnickpt.storage.linked import with_siblings
 
 # One read request. Large enough to stream at disk speed, small enough that a few threads' buffers
 # stay cheap.
@@ -109,6 +110,7 @@ def verify(path: str, *, workers: int | None = None, chunk_bytes: int = CHUNK_BY
     t0 = time.perf_counter()
     storage = storage_for(path)
     manifest = read_manifest(storage)
+    storage = with_siblings(storage, path, manifest.files)   # an incremental checkpoint's referenced files
     report = VerifyReport(storage.describe(), files=len(manifest.files), tensors=len(manifest.tensors),
                           boxes=sum(len(t.boxes) for t in manifest.tensors.values()),
                           objects=sum(len(v) for v in manifest.objects.values()))
@@ -120,6 +122,11 @@ def verify(path: str, *, workers: int | None = None, chunk_bytes: int = CHUNK_BY
     if manifest.compression:
         report.notes.append(f"tensor data compressed with {manifest.compression}: each chunk's checksum covers its "
                             "stored (compressed) bytes, checked without decompressing")
+    elsewhere = sorted({f.path.split("/")[1] for f in manifest.files if f.path.startswith("../")})
+    if manifest.block_bytes:
+        report.notes.append(f"incremental checkpoint (chain {manifest.chain}, base {manifest.base}): "
+                            + (f"unchanged blocks are read from {', '.join(elsewhere)}" if elsewhere
+                               else "every block is stored here"))
     unchecked = sum(b.sums is None for t in manifest.tensors.values() for b in t.boxes)
     if unchecked:
         report.notes.append(

@@ -16,8 +16,9 @@ import torch
 if TYPE_CHECKING:   # the engine takes the adapters' records but never imports the adapters layer
     from omnickpt.adapters.base import TensorShard
 from omnickpt.format import (CHUNK_BYTES, CONTROL_DIR, ColumnTable, DATA_DIR, FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, Sums, TensorEntry,
-                             checksum)
+                             checksum, dtype_from_name)
 from omnickpt.format.codec import compress
+from omnickpt.engine.incremental import Base, WriteMeta, block_count, block_hashes, plan_pieces, rows_per_block
 from omnickpt.lease import OWNER_RECORD
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import GlobalPlan, WriteItem
@@ -56,6 +57,13 @@ class RankResult:
     codec: str | None = None
     offsets: list[int] | None = None
     stored: list[list[int]] | None = None
+    # An incremental save (engine/incremental.py): per write its runs of rows as [first row, rows,
+    # ref, offset] (ref -1: in this rank's file at offset; else at offset of refs[ref], a file of
+    # an earlier checkpoint as [path, rank, bytes]) and its block hashes; checksums then hold the
+    # CRCs of each run's bytes, run after run.
+    pieces: list[list[list[int]]] | None = None
+    refs: list[list] | None = None
+    hashes: list[list[int]] | None = None
 
 
 @dataclass
@@ -396,16 +404,28 @@ def _put(whole: memoryview, off: int, data: memoryview) -> memoryview:
     return whole[off:off + len(data)]
 
 
+@dataclass(frozen=True)
+class Incremental:
+    """An incremental save as one rank runs it: its writes' boxes, the base to compare against
+    (None: a full save that stores block hashes, the first of a chain) and the block grid."""
+    metas: list[WriteMeta]
+    base: Base | None
+    block_bytes: int
+
+
 @gc_paused()
 def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None, *,
             durable: bool, timer: PhaseTimer, compression: str | None = None,
-            itemsizes: Sequence[int] = ()) -> RankResult:
+            itemsizes: Sequence[int] = (), incremental: Incremental | None = None) -> RankResult:
     """Write this rank's data file and checksum what it wrote. With `compression` (a codec of
     format/codec.py; `itemsizes`: the element size of each write's tensor), each CHUNK_BYTES
     chunk of each write is compressed on its own and the file laid out anew (RankResult.offsets,
-    .stored); the checksums are those of the stored bytes."""
+    .stored); the checksums are those of the stored bytes. With `incremental`, only the blocks
+    that changed since its base are written (RankResult.pieces)."""
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
+    if incremental is not None:
+        return _persist_incremental(storage, snap, rank, save_id, executor, durable, timer, incremental)
     if compression is not None:
         with timer.phase("compress"):
             file_bytes, segments, offsets, chunks, objects = _compressed_layout(snap, compression, itemsizes,
@@ -441,6 +461,65 @@ def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor:
     return RankResult(rank, rel, snap.file_bytes, sums, objs)
 
 
+def _persist_incremental(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None,
+                         durable: bool, timer: PhaseTimer, inc: Incremental) -> RankResult:
+    """Hash each write's blocks, keep the runs that changed since the base in this rank's file (laid
+    out anew: runs back to back, 64-byte aligned, then the objects), reference the others."""
+    if len(inc.metas) != len(snap.spans):
+        raise ValueError(f"an incremental save needs one box per write ({len(snap.spans)}), got {len(inc.metas)}")
+    with timer.phase("hash"):
+        tasks = list(zip(snap.spans, inc.metas))
+        hashes = (list(executor.map(lambda t: block_hashes(t[0], t[1].lengths, t[1].itemsize, inc.block_bytes),
+                                    tasks)) if executor is not None and len(tasks) > 1 else
+                  [block_hashes(sp, m.lengths, m.itemsize, inc.block_bytes) for sp, m in tasks])
+        runs = [plan_pieces(m, h, inc.base, inc.block_bytes) for m, h in zip(inc.metas, hashes)]
+    segments, pieces, views, refs, pos = [], [], [], {}, 0
+    referenced = 0
+    for span, meta, write_runs in zip(snap.spans, inc.metas, runs):
+        rows_total = meta.lengths[0] if meta.lengths else 1
+        row_bytes = len(span) // rows_total if rows_total else 0
+        mine = []
+        for row, rows, ref, off in write_runs:
+            view = span[row * row_bytes:(row + rows) * row_bytes]
+            if ref is None:
+                pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+                if len(view):
+                    segments.append(Segment(pos, view))
+                mine.append([row, rows, -1, pos])
+                pos += len(view)
+            else:
+                mine.append([row, rows, refs.setdefault(ref, len(refs)), off])
+                referenced += len(view)
+            views.append(view)
+        pieces.append(mine)
+    objects = []
+    for key, _, n, mv in snap.objects:
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        segments.append(Segment(pos, mv))
+        objects.append((key, pos, n, mv))
+        pos += n
+    rel = data_file_name(save_id, rank) if pos else None
+    with timer.phase("checksum"):
+        # The CRCs of referenced runs too, of this save's bytes: see engine/incremental.py.
+        chunks = [v[i:i + CHUNK_BYTES] for v in views for i in range(0, len(v), CHUNK_BYTES)]
+        flat = checksums(chunks, executor)
+        sums, at, v = [], 0, 0
+        for mine in pieces:
+            n = sum(Sums.chunk_count(len(views[v + k]), CHUNK_BYTES) for k in range(len(mine)))
+            v += len(mine)
+            sums.append(flat[at:at + n])
+            at += n
+        objs = [(k, off, n, checksum(mv), hashlib.blake2b(mv, digest_size=16).hexdigest()) for k, off, n, mv in objects]
+    if rel is not None:
+        _write(storage, rel, pos, segments, executor, durable, timer)
+    timer.count("referenced", referenced)
+    base = inc.base
+    ref_files = [[base.file_path(i), base.manifest.files[i].rank, base.manifest.files[i].bytes]
+                 for i, _ in sorted(refs.items(), key=lambda kv: kv[1])] if base is not None else []
+    return RankResult(rank, rel, pos if rel is not None else 0, sums, objs, pieces=pieces, refs=ref_files,
+                      hashes=[h.tolist() for h in hashes])
+
+
 def _write(storage: Storage, rel: str, file_bytes: int, segments: list[Segment], executor: Executor | None,
            durable: bool, timer: PhaseTimer) -> None:
     t0 = time.perf_counter()
@@ -455,15 +534,74 @@ def _write(storage: Storage, rel: str, file_bytes: int, segments: list[Segment],
 
 
 def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str, layout: dict,
-                   tool_version: str) -> Manifest:
+                   tool_version: str, incremental: dict | None = None) -> Manifest:
+    """The manifest of a save from the plan and every rank's result. `incremental`: the header
+    fields of an incremental save ({"block_bytes", "base", "chain"}); its results carry pieces."""
     files: list[FileEntry] = []
     file_index: dict[int, int] = {}
     for r in results:
         if r.file is not None:
             file_index[r.rank] = len(files)
             files.append(FileEntry(r.file, r.rank, r.bytes))
-    # The boxes go from the plan's write rows into shared columns, sorted by tensor then offsets,
-    # with no object per box: at 8192 ranks the plan holds millions of them.
+    codecs = {r.codec for r in results if r.file is not None}
+    if len(codecs) > 1:
+        raise RuntimeError(f"ranks saved with different compression: {sorted(map(str, codecs))}")
+    codec = codecs.pop() if codecs else None
+    if incremental is not None:
+        boxes = _piece_boxes(plan, results, file_index, files, incremental["block_bytes"])
+    else:
+        boxes = _write_boxes(plan, results, file_index, codec)
+    tid, offs, lens, file, file_offset, nbytes, n_crcs, crcs, stored, n_hash, hashes = boxes
+    keep = nbytes > 0   # a tensor with no elements: its entry (shape, dtype) is the whole record
+    if (n_crcs[keep] != -(-nbytes[keep] // CHUNK_BYTES)).any() or n_crcs[~keep].any():
+        raise RuntimeError("a rank reported a checksum count that does not match its writes' chunk grid")
+    crc0 = np.concatenate(([0], np.cumsum(n_crcs)))[:-1]
+    h0 = np.concatenate(([0], np.cumsum(n_hash)))[:-1]
+    sel = np.nonzero(keep)[0]
+    order = sel[np.lexsort(tuple(offs[sel, d] for d in range(offs.shape[1] - 1, -1, -1)) + (tid[sel],))]
+    crc_rows = _regroup(crc0[order], n_crcs[order])
+    tid = tid[order]
+    table = ColumnTable(offsets=offs[order].astype(np.int64), lengths=lens[order].astype(np.int64),
+                        file=file[order], offset=file_offset[order], nbytes=nbytes[order],
+                        sums_start=np.concatenate(([0], np.cumsum(n_crcs[order]))), crcs=crcs[crc_rows],
+                        chunk_bytes=CHUNK_BYTES, stored=None if stored is None else stored[crc_rows], codec=codec)
+    bounds = np.searchsorted(tid, np.arange(len(plan.names) + 1))
+    # Every tensor any rank holds gets an entry, even if all its boxes are empty.
+    tensors: dict[str, TensorEntry] = {
+        name: table.entry(plan.shapes[t], plan.dtypes[t], int(bounds[t]), int(bounds[t + 1]))
+        for t, name in enumerate(plan.names)}
+    block_hashes = {}
+    if incremental is not None:
+        h_sorted = hashes[_regroup(h0[order], n_hash[order])]
+        hb = np.concatenate(([0], np.cumsum(n_hash[order])))
+        block_hashes = {name: h_sorted[hb[bounds[t]]:hb[bounds[t + 1]]] for t, name in enumerate(plan.names)}
+    objects: dict[str, list[ObjectEntry]] = {}
+    by_content: dict[tuple[str, str], ObjectEntry] = {}
+    for r in results:
+        for key, off, n, ck, digest in r.objects:
+            seen = by_content.get((key, digest))
+            if seen is not None:
+                seen.ranks.append(r.rank)
+                continue
+            e = ObjectEntry([r.rank], file_index[r.rank], off, n, ck)
+            by_content[(key, digest)] = e
+            objects.setdefault(key, []).append(e)
+    inc = incremental or {}
+    return Manifest(save_id=save_id, world_size=len(results), files=files, tensors=tensors, objects=objects,
+                    layout=layout, tool_version=tool_version, created=time.time(), version=FORMAT_VERSION,
+                    chunk_bytes=CHUNK_BYTES, compression=codec, block_bytes=inc.get("block_bytes"),
+                    hashes=block_hashes, base=inc.get("base"), chain=inc.get("chain", 0))
+
+
+def _regroup(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Indices of the runs [starts[i], starts[i] + counts[i]) one after the other."""
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    return np.arange(int(bounds[-1]), dtype=np.int64) + np.repeat(starts - bounds[:-1], counts)
+
+
+def _write_boxes(plan: GlobalPlan, results: list[RankResult], file_index: dict[int, int], codec: str | None):
+    """One box per write of the plan, in result order, as columns (no object per box: at 8192
+    ranks the plan holds millions of them)."""
     ranks = np.array([r.rank for r in results], dtype=np.int64)
     file_of = np.full(len(plan.write_start) - 1, -1, dtype=np.int64)
     file_of[[r.rank for r in results if r.file is not None]] = [file_index[r.rank] for r in results if r.file is not None]
@@ -479,10 +617,6 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
     n_crcs = np.concatenate(counts + [np.zeros(0, dtype=np.int64)])
     crcs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(r.checksums) for r in results),
                        dtype=np.uint32, count=int(n_crcs.sum()))
-    codecs = {r.codec for r in results if r.file is not None}
-    if len(codecs) > 1:
-        raise RuntimeError(f"ranks saved with different compression: {sorted(map(str, codecs))}")
-    codec = codecs.pop() if codecs else None
     stored, file_offset = None, plan.write_offset[rows]
     if codec is not None:
         # A compressed file is laid out by its rank (chunks shrink), so offsets come from the results.
@@ -492,43 +626,68 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
                                       for r in results] + [np.zeros(0, dtype=np.int64)])
         if len(file_offset) != len(rows):
             raise RuntimeError("a rank of a compressed save reported no file offset for some of its writes")
-    nbytes = plan.write_nbytes[rows]
-    keep = nbytes > 0   # a tensor with no elements: its entry (shape, dtype) is the whole record
-    if (n_crcs[keep] != -(-nbytes[keep] // CHUNK_BYTES)).any() or n_crcs[~keep].any():
-        raise RuntimeError("a rank reported a checksum count that does not match its writes' chunk grid")
-    crc0 = np.concatenate(([0], np.cumsum(n_crcs)))[:-1]
-    rows, crc0, n_crcs, file_offset = rows[keep], crc0[keep], n_crcs[keep], file_offset[keep]
-    tid = plan.write_tensor[rows]
-    offs = plan.write_offsets[rows]
-    order = np.lexsort(tuple(offs[:, d] for d in range(offs.shape[1] - 1, -1, -1)) + (tid,))
-    rows, crc0, n_crcs, tid, file_offset = rows[order], crc0[order], n_crcs[order], tid[order], file_offset[order]
-    sums_start = np.concatenate(([0], np.cumsum(n_crcs)))
-    crc_rows = np.arange(int(sums_start[-1]), dtype=np.int64) + np.repeat(crc0 - sums_start[:-1], n_crcs)
     rank_of = np.repeat(np.arange(len(plan.write_start) - 1), np.diff(plan.write_start))[rows]
-    table = ColumnTable(offsets=plan.write_offsets[rows].astype(np.int64),
-                        lengths=plan.write_lengths[rows].astype(np.int64), file=file_of[rank_of],
-                        offset=file_offset, nbytes=plan.write_nbytes[rows], sums_start=sums_start,
-                        crcs=crcs[crc_rows], chunk_bytes=CHUNK_BYTES,
-                        stored=None if stored is None else stored[crc_rows], codec=codec)
-    bounds = np.searchsorted(tid, np.arange(len(plan.names) + 1))
-    # Every tensor any rank holds gets an entry, even if all its boxes are empty.
-    tensors: dict[str, TensorEntry] = {
-        name: table.entry(plan.shapes[t], plan.dtypes[t], int(bounds[t]), int(bounds[t + 1]))
-        for t, name in enumerate(plan.names)}
-    objects: dict[str, list[ObjectEntry]] = {}
-    by_content: dict[tuple[str, str], ObjectEntry] = {}
+    none = np.zeros(len(rows), dtype=np.int64)
+    return (plan.write_tensor[rows], plan.write_offsets[rows], plan.write_lengths[rows], file_of[rank_of],
+            np.asarray(file_offset, dtype=np.int64), plan.write_nbytes[rows].astype(np.int64), n_crcs, crcs, stored,
+            none, np.zeros(0, dtype=np.uint64))
+
+
+def _piece_boxes(plan: GlobalPlan, results: list[RankResult], file_index: dict[int, int], files: list[FileEntry],
+                 block_bytes: int):
+    """An incremental save's boxes: each write becomes its runs of rows (engine/incremental.py),
+    stored in its rank's file or in a file of an earlier checkpoint (added to `files` once)."""
+    ref_of: dict[str, int] = {}
+    tid, offs, lens, file, offset, nbytes, n_crcs, n_hash = [], [], [], [], [], [], [], []
+    crcs: list[int] = []
+    hashes: list[int] = []
     for r in results:
-        for key, off, n, ck, digest in r.objects:
-            seen = by_content.get((key, digest))
-            if seen is not None:
-                seen.ranks.append(r.rank)
-                continue
-            e = ObjectEntry([r.rank], file_index[r.rank], off, n, ck)
-            by_content[(key, digest)] = e
-            objects.setdefault(key, []).append(e)
-    return Manifest(save_id=save_id, world_size=len(results), files=files, tensors=tensors, objects=objects,
-                    layout=layout, tool_version=tool_version, created=time.time(), version=FORMAT_VERSION,
-                    chunk_bytes=CHUNK_BYTES, compression=codec)
+        a, b = int(plan.write_start[r.rank]), int(plan.write_start[r.rank + 1])
+        if r.pieces is None or len(r.pieces) != b - a or len(r.checksums) != b - a or len(r.hashes or ()) != b - a:
+            raise RuntimeError(f"rank {r.rank} reported no runs, checksums or hashes for some of its {b - a} writes")
+        refs = []
+        for path, rank, size in r.refs or ():
+            if path not in ref_of:
+                ref_of[path] = len(files)
+                files.append(FileEntry(path, int(rank), int(size)))
+            refs.append(ref_of[path])
+        for j in range(b - a):
+            row = a + j
+            t = int(plan.write_tensor[row])
+            nd = len(plan.shapes[t])
+            o0, l0 = plan.write_offsets[row].astype(np.int64), plan.write_lengths[row].astype(np.int64)
+            item = dtype_from_name(plan.dtypes[t]).itemsize
+            lengths = tuple(l0[:nd].tolist())
+            row_bytes = (int(np.prod(l0[1:nd])) if nd else 1) * item
+            rpb = rows_per_block(lengths, item, block_bytes)
+            sums, at = r.checksums[j], 0
+            for first, rows, ref, off in r.pieces[j]:
+                o, ln = o0.copy(), l0.copy()
+                if nd:
+                    o[0] += first
+                    ln[0] = rows
+                n = rows * row_bytes
+                k = Sums.chunk_count(n, CHUNK_BYTES)
+                h = block_count(tuple(ln[:nd].tolist()), item, block_bytes) if n else 0
+                tid.append(t)
+                offs.append(o)
+                lens.append(ln)
+                file.append(file_index[r.rank] if ref < 0 else refs[ref])
+                offset.append(off)
+                nbytes.append(n)
+                n_crcs.append(k)
+                crcs.extend(sums[at:at + k])
+                at += k
+                n_hash.append(h)
+                hashes.extend(r.hashes[j][first // rpb:first // rpb + h])
+            if at != len(sums):
+                raise RuntimeError(f"rank {r.rank} reported {len(sums)} checksums for runs of {at} chunks")
+    width = plan.write_offsets.shape[1] if plan.write_offsets.ndim == 2 else 0
+    i64 = np.int64
+    return (np.array(tid, dtype=i64), np.array(offs, dtype=i64).reshape(-1, width),
+            np.array(lens, dtype=i64).reshape(-1, width), np.array(file, dtype=i64), np.array(offset, dtype=i64),
+            np.array(nbytes, dtype=i64), np.array(n_crcs, dtype=i64), np.array(crcs, dtype=np.uint32), None,
+            np.array(n_hash, dtype=i64), np.array(hashes, dtype=np.uint64))
 
 
 def collect_garbage(storage: Storage, manifest: Manifest) -> None:

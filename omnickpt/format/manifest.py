@@ -43,6 +43,7 @@ _ARRAY_DTYPES = {"|u1", "<u2", "<u4", "<i8"}
 _COLUMNS = ("offsets", "lengths", "file", "offset", "crcs")
 # A compressed checkpoint adds one column: the stored (compressed) byte length of each chunk.
 _STORED = "stored"
+_HASHES = "hashes"   # an incremental save's block hashes (xxh3-64 of each block of rows), "<u8"
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"          # data files: data/<save_id>-r<rank>.bin
 CONTROL_DIR = ".omnickpt"  # per-save records, commit status, the owner lease; not part of the checkpoint
@@ -413,6 +414,14 @@ class Manifest:
     chunk_bytes: int = CHUNK_BYTES
     # The codec of every stored chunk (format/codec.py), None for raw bytes; version 3 only.
     compression: str | None = None
+    # Incremental saves (engine/incremental.py), version 3 only: the block grid (bytes of rows per
+    # block) the content hashes are taken on, each tensor's block hashes (uint64, box after box),
+    # the sibling checkpoint the save compared against and how many incremental saves since the
+    # last full one. None: no hashes (an ordinary save).
+    block_bytes: int | None = None
+    hashes: dict[str, np.ndarray] = field(default_factory=dict)
+    base: str | None = None
+    chain: int = 0
     # True once a transform has rewritten it (omnickpt/transforms.py); never stored.
     derived: bool = False
 
@@ -444,9 +453,11 @@ class Manifest:
             "layout": self.layout,
             "checksum": "crc32c",
             "chunk_bytes": self.chunk_bytes,
-            "files": [{"path": f.path, "rank": f.rank, "bytes": f.bytes} for f in self.files],
+            "files": [_file_record(f) for f in self.files],
             "objects": {k: [e.encode() for e in v] for k, v in self.objects.items()},
-        } | ({"compression": self.compression} if self.compression else {})
+        } | ({"compression": self.compression} if self.compression else {}) | (
+            {"incremental": {"block_bytes": self.block_bytes, "base": self.base, "chain": self.chain}}
+            if self.block_bytes else {})
 
     def _stored_columns(self, name: str, t: "TensorEntry") -> BoxColumns:
         c = t.columns
@@ -459,6 +470,8 @@ class Manifest:
         return c
 
     def _encode_json(self) -> bytes:
+        if self.block_bytes or any(f.path.startswith("../") for f in self.files):
+            raise ValueError("an incremental checkpoint has no version-2 (JSON) form; encode it as version 3")
         if self.compression:
             raise ValueError(f"a compressed checkpoint ({self.compression}) has no version-2 (JSON) form; "
                              "encode it as version 3")
@@ -524,11 +537,15 @@ def _narrow_array(a: np.ndarray) -> np.ndarray:
 def _encode_v3(m: Manifest) -> bytes:
     """Header JSON, then one array per column, rows grouped by tensor in index order."""
     header = m._header()
-    names = _COLUMNS + ((_STORED,) if m.compression else ())
+    names = _COLUMNS + ((_STORED,) if m.compression else ()) + ((_HASHES,) if m.block_bytes else ())
     index, cols = {}, {k: [] for k in names}
     for name, t in m.tensors.items():
         c = m._stored_columns(name, t)
         index[name] = {"shape": list(t.shape), "dtype": t.dtype, "boxes": len(c), "chunks": len(c.crcs)}
+        if m.block_bytes:
+            h = np.asarray(m.hashes.get(name, np.zeros(0, dtype=np.uint64)), dtype=np.uint64)
+            index[name]["blocks"] = int(h.size)
+            cols[_HASHES].append(h)
         cols["offsets"].append(c.offsets.reshape(-1))
         cols["lengths"].append(c.lengths.reshape(-1))
         cols["file"].append(c.file)
@@ -540,7 +557,7 @@ def _encode_v3(m: Manifest) -> bytes:
     arrays, blobs, pos = {}, [], 0
     for k in names:
         a = np.concatenate(cols[k]) if cols[k] else np.zeros(0, dtype=np.int64)
-        a = a.astype("<u4") if k == "crcs" else _narrow_array(a)
+        a = a.astype("<u4") if k == "crcs" else a.astype("<u8") if k == _HASHES else _narrow_array(a)
         arrays[k] = {"dtype": a.dtype.str, "count": int(a.size), "offset": pos}
         blob = a.tobytes()
         blobs.append(blob)
@@ -581,9 +598,10 @@ def _decode_v3(data: memoryview, where: str, wanted: set | None) -> Manifest:
     specs = doc["arrays"]
     if not isinstance(specs, dict):
         raise _corrupt(where, "field 'arrays' is not an object")
-    for k in _COLUMNS + ((_STORED,) if m.compression else ()):
+    for k in _COLUMNS + ((_STORED,) if m.compression else ()) + ((_HASHES,) if m.block_bytes else ()):
         spec = specs.get(k)
-        if not isinstance(spec, dict) or spec.get("dtype") not in _ARRAY_DTYPES or (k == "crcs" and spec["dtype"] != "<u4"):
+        if not isinstance(spec, dict) or (spec.get("dtype") != "<u8" if k == _HASHES else (
+                spec.get("dtype") not in _ARRAY_DTYPES or (k == "crcs" and spec["dtype"] != "<u4"))):
             raise _corrupt(where, f"array {k!r} has no valid description ({spec!r:.80})")
         dt = np.dtype(spec["dtype"])
         count, off = _int(spec["count"], f"array {k} count"), _int(spec["offset"], f"array {k} offset")
@@ -595,7 +613,23 @@ def _decode_v3(data: memoryview, where: str, wanted: set | None) -> Manifest:
     if not isinstance(index, dict):
         raise _corrupt(where, "field 'tensors' is not an object")
     _index_tensors(m, index, raw, where, wanted)
+    if m.block_bytes:
+        _index_hashes(m, index, raw[_HASHES], where, wanted)
     return m
+
+
+def _index_hashes(m: Manifest, index: dict, hashes: np.ndarray, where: str, wanted: set | None) -> None:
+    """Each wanted tensor's block hashes, a view of the column. Only their total is checked here:
+    a hash only ever decides whether a later save rewrites a block, and a block it wrongly
+    reuses is caught by the CRCs that later save computes from its own bytes."""
+    counts = [_int(t.get("blocks", 0), f"tensor {name!r} blocks") for name, t in index.items()]
+    if any(c < 0 for c in counts) or sum(counts) != len(hashes):
+        raise _corrupt(where, f"array 'hashes' holds {len(hashes)} values but the tensor index needs {sum(counts)}")
+    pos = 0
+    for name, c in zip(index, counts):
+        if wanted is None or name in wanted:
+            m.hashes[name] = hashes[pos:pos + c]
+        pos += c
 
 
 def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set | None) -> None:
@@ -868,7 +902,7 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     chunk_bytes = _int(doc["chunk_bytes"], "chunk_bytes") if version >= 2 else 0
     if version >= 2 and chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    files = [FileEntry(safe_relative_path(f["path"], where), _int(f["rank"], "file rank"), _int(f["bytes"], "file bytes"))
+    files = [FileEntry(_file_path(f, where, version), _int(f["rank"], "file rank"), _int(f["bytes"], "file bytes"))
              for f in doc["files"]]
     for f in files:
         if f.rank < 0 or f.bytes < 0:
@@ -920,6 +954,7 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     created = doc.get("created", 0.0)
     if type(created) not in (int, float):
         raise ValueError(f"created must be a number, got {created!r:.40}")
+    block_bytes, base, chain = _incremental(doc, where, version)
     compression = doc.get("compression") if version >= 3 else None
     if compression is not None and compression not in CODECS:
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r:.40} (this omnickpt knows "
@@ -927,7 +962,46 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     return Manifest(
         save_id=str(doc["save_id"]), world_size=world_size, files=files, tensors=tensors,
         objects=objects, layout=dict(doc.get("layout") or {}), tool_version=str(doc.get("tool_version", "")),
-        created=float(created), version=version, chunk_bytes=chunk_bytes or CHUNK_BYTES, compression=compression)
+        created=float(created), version=version, chunk_bytes=chunk_bytes or CHUNK_BYTES, compression=compression,
+        block_bytes=block_bytes, base=base, chain=chain)
+
+
+def _incremental(doc: dict, where: str, version: int) -> tuple[int | None, str | None, int]:
+    inc = doc.get("incremental") if version >= 3 else None
+    if inc is None:
+        return None, None, 0
+    if not isinstance(inc, dict):
+        raise _corrupt(where, "field 'incremental' is not an object")
+    block_bytes, chain = _int(inc.get("block_bytes"), "incremental block_bytes"), _int(inc.get("chain", 0), "chain")
+    base = inc.get("base")
+    if block_bytes < 1 or chain < 0 or not (base is None or isinstance(base, str)):
+        raise _corrupt(where, f"field 'incremental' is inconsistent ({inc!r:.80})")
+    return block_bytes, base, chain
+
+
+def sibling_name(name: Any, where: str) -> str:
+    """A checkpoint folder next to this one, named by an incremental checkpoint's file record:
+    one path component, nothing that could lead elsewhere."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\:\x00")):
+        raise UnsafeCheckpointError(f"{where}: data file base {name!r:.80} is not the name of a checkpoint folder "
+                                    "next to this one; refusing to load")
+    return name
+
+
+def _file_path(record: dict, where: str, version: int) -> str:
+    """The in-memory path of a file record: a file of a sibling checkpoint (an incremental save's
+    reference, version 3) is "../<sibling>/<path inside it>"."""
+    path = safe_relative_path(record["path"], where)
+    if version >= 3 and "base" in record:
+        return f"../{sibling_name(record['base'], where)}/{path}"
+    return path
+
+
+def _file_record(f: "FileEntry") -> dict:
+    if f.path.startswith("../"):
+        name, _, rest = f.path[3:].partition("/")
+        return {"path": rest, "rank": f.rank, "bytes": f.bytes, "base": name}
+    return {"path": f.path, "rank": f.rank, "bytes": f.bytes}
 
 
 def _sums(raw: Any, box: SavedBox, chunk_bytes: int, version: int, what: str) -> Sums:

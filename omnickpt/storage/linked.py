@@ -1,0 +1,186 @@
+"""Reading an incremental checkpoint: its manifest may name data files that lie in a sibling
+checkpoint (the folder next to it, under the same root), written "../<sibling>/<path inside it>".
+LinkedStorage serves those paths from the sibling's own storage and every other path from the
+checkpoint's storage, so the reader needs no notion of siblings. A checkpoint never writes into a
+sibling: writes and deletes of "../" paths are refused.
+
+    storage = with_siblings(storage_for(path), path, manifest.files)
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from typing import Iterable, Sequence
+
+from omnickpt.errors import UnsafeCheckpointError
+from omnickpt.storage.base import Storage
+
+_UP = "../"
+
+
+def sibling_path(path: str, name: str) -> str:
+    """The path (or URL) of the folder `name` next to the checkpoint `path`: same parent, same
+    scheme. ValueError if `path` has no parent to go up from: a file system's root, or a URL with
+    nothing under its bucket / job / host ("s3://bucket" alone), whose parent is no folder of the
+    same storage."""
+    path = str(path)
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a folder name (one path component)")
+    if "::" in path:
+        # fsspec chained URLs ("simplecache::s3://b/ck/step"): a leading pure protocol wraps the
+        # rest, which holds the path; where a layer carries a path of its own ("zip://m::s3://..."),
+        # which one is the checkpoint's folder is not ours to guess.
+        outer, _, inner = path.partition("::")
+        if "://" in outer or "/" in outer:
+            raise ValueError(f"{path}: cannot tell the parent folder of a chained URL whose outer layer has a path")
+        return f"{outer}::{sibling_path(inner, name)}"
+    if path.startswith("file://"):
+        return "file://" + _local_sibling(path[len("file://"):], name, path)
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        # The first component is the bucket (s3://), the job (shm://) or the host / top folder
+        # (other URLs): the storage of a sibling must stay under it.
+        parts = [p for p in rest.split("/") if p]
+        if len(parts) < 2:
+            raise ValueError(f"{path}: no parent folder to go up from (a checkpoint URL needs a folder under "
+                             f"{scheme}://{parts[0] if parts else ''})")
+        if parts[-1] in (".", ".."):
+            raise ValueError(f"{path}: ends in {parts[-1]!r}; name the checkpoint folder itself")
+        return f"{scheme}://{'/'.join(parts[:-1] + [name])}"
+    return _local_sibling(path, name, path)
+
+
+def _local_sibling(local: str, name: str, said: str) -> str:
+    """sibling_path of a local path: relative paths stay relative (the storage resolves them the
+    same way), unless the last component is ".", ".." or "~", which only the file system can name."""
+    p = local.rstrip("/")
+    if not p:
+        raise ValueError(f"{said}: the file system's root has no parent folder")
+    head, tail = posixpath.split(p)
+    if tail in (".", "..") or (tail.startswith("~") and not head):
+        p = os.path.abspath(os.path.expanduser(p))
+        head, tail = posixpath.split(p)
+        if not tail:
+            raise ValueError(f"{said}: the file system's root has no parent folder")
+    return posixpath.join(head, name) if head else name
+
+
+def check_sibling_name(name: str, rel: str) -> str:
+    """`name` when it can name a sibling folder (one path component, not "." or ".."); else
+    UnsafeCheckpointError: a manifest must not reach anywhere but next to its own folder."""
+    if not name or name in (".", "..") or any(c in name for c in ("/", "\\", ":", "\x00")):
+        raise UnsafeCheckpointError(
+            f"data file path {rel!r} names {name!r} as its sibling checkpoint, which is not one folder name; "
+            "refusing to read it (a manifest may only name files of its own or of a sibling checkpoint)")
+    return name
+
+
+def _split(rel: str) -> tuple[str, str] | None:
+    """(sibling name, path inside it) of a "../<name>/<rest>" path; None for a path of its own."""
+    if not rel.startswith(_UP):
+        return None
+    name, _, rest = rel[len(_UP):].partition("/")
+    check_sibling_name(name, rel)
+    parts = rest.split("/")
+    # The rest stays inside the sibling: no "..", ".", empty or odd components.
+    if not rest or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
+        raise UnsafeCheckpointError(
+            f"data file path {rel!r} does not name a file inside the sibling checkpoint {name!r}; refusing to read it")
+    return name, rest
+
+
+class LinkedStorage:
+    """The storage of the checkpoint `path`, with "../<name>/..." paths read from the sibling
+    `name`'s storage (made on first use, one per sibling). Thread-safe when the storages are."""
+
+    def __init__(self, storage: Storage, path: str):
+        self._storage = storage
+        self._path = str(path)
+        self._siblings: dict[str, Storage] = {}
+        self._lock = threading.Lock()   # reads run on many threads: one storage per sibling
+
+    @property
+    def root(self) -> str:
+        return self._storage.root
+
+    def sibling(self, name: str) -> Storage:
+        """The storage of the sibling checkpoint `name`."""
+        with self._lock:
+            st = self._siblings.get(name)
+            if st is None:
+                # imported here: omnickpt.storage's __init__ may import this module
+                from omnickpt.storage import storage_for
+                st = self._siblings[name] = storage_for(sibling_path(self._path, name))
+            return st
+
+    def _route(self, rel: str) -> tuple[Storage, str]:
+        found = _split(rel)
+        if found is None:
+            return self._storage, rel
+        return self.sibling(found[0]), found[1]
+
+    # ------------------------------------------------------------------ reads
+    def read_into(self, rel: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        st, r = self._route(rel)
+        st.read_into(r, offset, buffers)
+
+    def read_bytes(self, rel: str) -> bytes:
+        st, r = self._route(rel)
+        return st.read_bytes(r)
+
+    def exists(self, rel: str) -> bool:
+        st, r = self._route(rel)
+        return st.exists(r)
+
+    def size(self, rel: str) -> int:
+        st, r = self._route(rel)
+        return st.size(r)
+
+    def describe(self, rel: str = "") -> str:
+        """Never raises (it builds error messages): a path it cannot route is described as written."""
+        try:
+            st, r = self._route(rel)
+            return st.describe(r)
+        except Exception:  # noqa: BLE001 - an unsafe name or a backend that cannot be made: say the path
+            return self._storage.describe(rel)
+
+    # ------------------------------------------------------------------ writes and deletes
+    def _own(self, rel: str, op: str) -> str:
+        if rel.startswith(_UP):
+            raise ValueError(f"refusing to {op} {rel!r}: it lies in a sibling checkpoint of {self._path}, "
+                             "and a checkpoint never writes into another")
+        return rel
+
+    def write_file(self, rel: str, *args, **kwargs):
+        return self._storage.write_file(self._own(rel, "write"), *args, **kwargs)
+
+    def commit(self, rel: str, data: bytes) -> None:
+        self._storage.commit(self._own(rel, "commit"), data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        return self._storage.create_exclusive(self._own(rel, "create"), data)
+
+    def delete(self, rel: str) -> None:
+        self._storage.delete(self._own(rel, "delete"))
+
+    def delete_tree(self, rel: str) -> None:
+        self._storage.delete_tree(self._own(rel, "delete"))
+
+    def __getattr__(self, name: str):
+        # Only reached for what is not defined here (list, children, backend extras): the
+        # checkpoint's own storage. _storage itself is looked up normally, so no recursion.
+        if name.startswith("__") or name in ("_storage", "_path", "_siblings", "_lock"):
+            raise AttributeError(name)
+        return getattr(self._storage, name)
+
+    def __repr__(self) -> str:
+        return f"LinkedStorage({self._storage!r}, {self._path!r})"
+
+
+def with_siblings(storage: Storage, path: str, files: Iterable) -> Storage:
+    """`storage` wrapped in a LinkedStorage when any of `files` (FileEntry) lies in a sibling
+    checkpoint; `storage` itself otherwise, so a full checkpoint reads as before."""
+    if any(f.path.startswith(_UP) for f in files):
+        return LinkedStorage(storage, path)
+    return storage
