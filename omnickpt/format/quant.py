@@ -1,0 +1,190 @@
+"""Opt-in lossy quantization of stored chunks of optimizer state (Adam's exp_avg / exp_avg_sq,
+momentum buffers): "int8" and "fp8" (float8 e4m3fn), one float32 scale per BLOCK elements.
+
+Why only optimizer state, and only on request: the moments are running averages that the next
+steps keep overwriting, so the error of a resume from them (int8: up to 0.4% of each block's
+largest value; fp8: up to ~6% of each value) fades, while weights are kept exact. A 4-byte float32
+moment becomes ~1.016 bytes (3.9x smaller; 1.97x for bf16/fp16, 7.9x for float64).
+
+Why per-block scales: a moment tensor spans many orders of magnitude across its elements (exp_avg_sq
+of a rarely-used embedding row against a busy one); one scale per 256 neighbouring elements keeps
+each block's small values from being rounded away by a large value elsewhere in the tensor.
+
+Payload of one chunk of n elements (stored_size(n) = 4 * ceil(n / BLOCK) + n bytes):
+
+    ceil(n / BLOCK) float32 scales, little-endian, scale k for elements [k*BLOCK, (k+1)*BLOCK)
+        (the last block may be shorter)
+    n bytes, one per element:
+        "int8": q as a two's-complement int8 in [-127, 127];  x' = q * scale,
+                scale = absmax(block) / 127  (0 for an all-zero block)
+        "fp8":  q as the bit pattern of a float8_e4m3fn (never the NaN patterns 0x7f / 0xff);
+                x' = float(q) * scale,  scale = absmax(block) / 448  (448 is e4m3fn's largest finite)
+
+Error of one element x (before x' is rounded into the chunk's dtype, which adds half an ulp of
+that dtype at x', e.g. 2**-9 relative for bfloat16; and up to float32 rounding, ~2**-23 of the
+block's absmax, from doing the arithmetic in float32):
+    "int8": |x - x'| <= scale / 2
+    "fp8":  |x - x'| <= |x| * 2**-4 + scale * 2**-10   (half an ulp of e4m3 at x/scale: 3 mantissa
+            bits; below e4m3's normal range, half its smallest subnormal step 2**-9)
+quantize() returns, besides the payload, the measured max |x - x'| over the chunk (float64), so
+that the caller can record what was lost.
+
+Arithmetic is float32 (float64 chunks: scales from their float32 values, but dequantized into
+float64). Chunks holding nan or inf are refused: no scale represents them. Pure functions over
+bytes; no state.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omnickpt.errors import CorruptCheckpointError
+
+SCHEMES = ("int8", "fp8")
+BLOCK = 256
+QUANT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+_NUMPY = {"float32": "<f4", "float64": "<f8"}
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_scheme(scheme: str | None) -> str | None:
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"quantize_optimizer={scheme!r}: must be 'int8', 'fp8' or None")
+    return scheme
+
+
+def quantizable(dtype_name: str) -> bool:
+    return dtype_name in QUANT_DTYPES
+
+
+def stored_size(n_elements: int, scheme: str) -> int:
+    check_scheme(scheme)
+    return 4 * _n_blocks(n_elements) + n_elements
+
+
+def _n_blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _check_dtype(dtype_name: str) -> None:
+    if dtype_name not in QUANT_DTYPES:
+        raise ValueError(f"dtype {dtype_name!r} cannot be quantized: only {', '.join(QUANT_DTYPES)}")
+
+
+def _decode(raw: memoryview | bytes, dtype_name: str) -> np.ndarray:
+    """The chunk's elements as float32 (float64 stays float64); exact either way."""
+    if dtype_name == "bfloat16":
+        # bfloat16 is the top half of a float32, so widening is an exact shift (torch.frombuffer would
+        # warn on the read-only buffers the caller usually passes)
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype_name == "float16":
+        # numpy's float16 casts run ~20x slower than torch's on subnormals, which is where float16
+        # keeps most of Adam's exp_avg_sq; the copy (a memcpy) gives torch the writable array it wants
+        return torch.from_numpy(np.frombuffer(raw, dtype="<f2").copy()).float().numpy()
+    return np.frombuffer(raw, dtype=_NUMPY[dtype_name])
+
+
+def _encode_into(vals: np.ndarray, dtype_name: str, out: memoryview) -> None:
+    """Round vals (float32 or float64) to nearest-even into out as dtype_name."""
+    if dtype_name in ("bfloat16", "float16"):
+        half = torch.from_numpy(np.ascontiguousarray(vals)).to(getattr(torch, dtype_name))
+        np.frombuffer(out, dtype="<i2")[:] = half.view(torch.int16).numpy()
+    else:
+        np.frombuffer(out, dtype=_NUMPY[dtype_name])[:] = vals
+
+
+def _blocks(a: np.ndarray) -> np.ndarray:
+    """a as (blocks, BLOCK), zero-padded at the end (zeros change no absmax and quantize to 0)."""
+    pad = -len(a) % BLOCK
+    if pad:
+        a = np.concatenate([a, np.zeros(pad, dtype=a.dtype)])
+    return a.reshape(-1, BLOCK)
+
+
+def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[bytes, float]:
+    """(the stored payload of one chunk, the max |x - x'| its dequantization makes, in float64)."""
+    check_scheme(scheme)
+    _check_dtype(dtype_name)
+    raw = memoryview(raw).cast("B")
+    if len(raw) % _ITEMSIZE[dtype_name]:
+        raise ValueError(f"a {dtype_name} chunk of {len(raw)} bytes is not a whole number of elements")
+    x = _decode(raw, dtype_name)
+    n = len(x)
+    if n == 0:
+        return b"", 0.0
+    if dtype_name == "float64":
+        big = max(x.max(), -x.min())
+        if not np.isfinite(big):
+            raise ValueError("the chunk holds non-finite values (nan or inf), which quantization cannot represent")
+        if big > _F32_MAX:
+            raise ValueError(f"the chunk holds values up to {big:.3g}, beyond the float32 range of the scales")
+    xb = _blocks(x.astype(np.float32, copy=False))
+    # max and -min instead of abs().max(): no temporary the size of the chunk; nan propagates
+    absmax = np.maximum(xb.max(axis=1), -xb.min(axis=1))
+    if not np.isfinite(absmax).all():
+        raise ValueError("the chunk holds non-finite values (nan or inf), which quantization cannot represent")
+    qmax = _QMAX[scheme]
+    # abs: an all-zero block's -min is -0.0, whose scale would dequantize its zeros as -0.0
+    scales = np.abs(absmax / np.float32(qmax)).astype(np.float32)
+    # a zero scale (all-zero block, or one so small that absmax/qmax underflows) divides by 1
+    # instead: its elements are then |x| < 1 and round to 0, the nearest the payload can say
+    divisor = np.where(scales > 0, scales, np.float32(1))[:, None]
+    y = np.clip(xb / divisor, -qmax, qmax).reshape(-1)[:n]
+    if scheme == "int8":
+        q = np.rint(y).astype(np.int8).view(np.uint8)
+    else:
+        # the clip above also keeps torch versions that turn >448 into NaN instead of saturating honest
+        q = torch.from_numpy(np.ascontiguousarray(y)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    payload = scales.astype("<f4").tobytes() + q.tobytes()
+    back = bytearray(len(raw))
+    dequantize_into(payload, dtype_name, scheme, memoryview(back), "quantize")
+    # the ufunc casts to float64 in small buffers: ~10x faster than two float64 copies of the chunk
+    diff = np.subtract(x, _decode(back, dtype_name), dtype=np.float64)
+    err = float(max(diff.max(), -diff.min()))
+    return payload, err
+
+
+def _fp8_values() -> np.ndarray:
+    """float32 value of each of the 256 e4m3fn bit patterns (NaN for 0x7f and 0xff)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def dequantize_into(stored: memoryview | bytes, dtype_name: str, scheme: str, out: memoryview, where: str) -> None:
+    """Write one chunk's dequantized elements, in dtype_name, into `out` (exactly its raw size), or
+    raise CorruptCheckpointError naming `where` when the stored bytes cannot be this chunk's payload."""
+    check_scheme(scheme)
+    _check_dtype(dtype_name)
+    out = memoryview(out).cast("B")
+    itemsize = _ITEMSIZE[dtype_name]
+    n = len(out) // itemsize
+    want = stored_size(n, scheme)
+    if len(stored) != want or len(out) % itemsize:
+        raise CorruptCheckpointError(f"{where}: the quantized chunk has the wrong size ({len(stored)} bytes, {want} "
+                                     f"expected for {n} {dtype_name} elements, {scheme}); the checkpoint is damaged")
+    if n == 0:
+        return
+    nb = _n_blocks(n)
+    scales = np.frombuffer(stored, dtype="<f4", count=nb)
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise CorruptCheckpointError(f"{where}: the quantized chunk has a negative or non-finite scale; "
+                                     "the checkpoint is damaged")
+    q = np.frombuffer(stored, dtype=np.uint8, offset=4 * nb)
+    if scheme == "int8":
+        v = q.view(np.int8).astype(np.float32)
+    else:
+        v = _fp8_values()[q]
+        if np.isnan(v).any():
+            raise CorruptCheckpointError(f"{where}: the quantized chunk holds an fp8 NaN, which quantize never "
+                                         "writes; the checkpoint is damaged")
+    # float64 chunks multiply in float64: q (<= 8 significant bits) times a float32 scale is then exact.
+    # So do float32 chunks at float32's top, where qmax * (absmax / qmax) may round above absmax and
+    # overflow to inf: exact in float64, then clipped back to the largest float32.
+    top = dtype_name == "float32" and float(scales.max()) * _QMAX[scheme] > 2.0 ** 127
+    work = np.float64 if dtype_name == "float64" or top else np.float32
+    vals = (_blocks(v.astype(work, copy=False)) * scales.astype(work)[:, None]).reshape(-1)[:n]
+    if top:
+        np.clip(vals, -_F32_MAX, _F32_MAX, out=vals)
+    _encode_into(vals, dtype_name, out)
