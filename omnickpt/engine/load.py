@@ -12,7 +12,7 @@ import torch
 from omnickpt.engine.staging import StagingPool, checksums, copy_bytes, gc_paused, plain_bytes
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format import Manifest, checksum, decode_object
-from omnickpt.format.codec import decompress_into
+from omnickpt.format.codec import decode_into
 from omnickpt.format.manifest import Sums, WindowBox
 from omnickpt.layout import Box, contiguous_start, relative, row_major_strides
 from omnickpt.monitor import PhaseTimer
@@ -197,7 +197,7 @@ def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items:
         if len(data) == len(dst):   # stored raw: compression did not pay for this chunk
             dst[:] = data
         else:
-            decompress_into(data, sums.codec, sums.itemsize, dst,
+            decode_into(data, sums.codec, sums.itemsize, sums.dtype, dst,
                             f"{storage.describe(path)} bytes [{a}, {b}) (compressed chunk {c} of "
                             f"{_describe(items, ext.needs)})")
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:   # the engine takes the adapters' records but never imports t
     from omnickpt.adapters.base import TensorShard
 from omnickpt.format import (CHUNK_BYTES, CONTROL_DIR, ColumnTable, DATA_DIR, FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, Sums, TensorEntry,
                              checksum, dtype_from_name)
-from omnickpt.format.codec import compress
+from omnickpt.format.codec import encode_chunk
 from omnickpt.engine.incremental import Base, WriteMeta, block_count, block_hashes, plan_pieces, rows_per_block
 from omnickpt.lease import OWNER_RECORD
 from omnickpt.monitor import PhaseTimer
@@ -61,6 +61,9 @@ class RankResult:
     # ref, offset] (ref -1: in this rank's file at offset; else at offset of refs[ref], a file of
     # an earlier checkpoint as [path, rank, bytes]) and its block hashes; checksums then hold the
     # CRCs of each run's bytes, run after run.
+    # With quantize_optimizer=: [write index, scheme, largest error] of each write whose chunks
+    # are quantized (a list: the record travels as JSON).
+    quantized: list[list] | None = None
     pieces: list[list[list[int]]] | None = None
     refs: list[list] | None = None
     hashes: list[list[int]] | None = None
@@ -349,30 +352,27 @@ class _nullcontext:
         return False
 
 
-def _compress_chunk(piece: memoryview, codec: str, itemsize: int) -> memoryview:
-    stored = compress(piece, codec, itemsize)
-    # Stored raw when compression does not pay: the reader tells it by stored length == raw length.
-    return piece if len(stored) >= len(piece) else memoryview(stored)
-
-
-def _compressed_layout(snap: Snapshot, codec: str, itemsizes: Sequence[int], executor: Executor | None
-                       ) -> tuple[int, list[Segment], list[int], list[list[memoryview]], list]:
-    """Compress every write's chunks on their own and lay the file out anew: each write at a
-    64-byte aligned offset, its stored chunks back to back, then the objects (not compressed).
-    Returns (file bytes, segments, per write its offset, per write its stored chunks (views of
-    the file buffer), objects as (key, offset, nbytes, bytes))."""
-    if len(itemsizes) != len(snap.spans):
-        raise ValueError(f"compression needs one element size per write ({len(snap.spans)}), got {len(itemsizes)}")
-    tasks = [(span[i:i + CHUNK_BYTES], codec, size) for span, size in zip(snap.spans, itemsizes)
-             for i in range(0, len(span), CHUNK_BYTES)]
+def _compressed_layout(snap: Snapshot, codecs: Sequence[str], itemsizes: Sequence[int], dtypes: Sequence[str],
+                       executor: Executor | None) -> tuple[int, list[Segment], list[int], list[list[memoryview]], list,
+                                                           list[float]]:
+    """Encode every write's chunks on their own (write i with codecs[i]) and lay the file out anew:
+    each write at a 64-byte aligned offset, its stored chunks back to back, then the objects (not
+    encoded). Returns (file bytes, segments, per write its offset, per write its stored chunks
+    (views of the file buffer), objects as (key, offset, nbytes, bytes), per write the largest
+    error of a lossy codec)."""
+    if not (len(itemsizes) == len(codecs) == len(dtypes) == len(snap.spans)):
+        raise ValueError(f"compression needs one codec, element size and dtype per write ({len(snap.spans)})")
+    tasks = [(span[i:i + CHUNK_BYTES], codec, size, dtype) for span, codec, size, dtype
+             in zip(snap.spans, codecs, itemsizes, dtypes) for i in range(0, len(span), CHUNK_BYTES)]
     if executor is None or len(tasks) <= 1:
-        flat = [_compress_chunk(*t) for t in tasks]
+        flat = [encode_chunk(*t) for t in tasks]
     else:
-        flat = list(executor.map(lambda t: _compress_chunk(*t), tasks))
-    per_write, pos = [], 0
+        flat = list(executor.map(lambda t: encode_chunk(*t), tasks))
+    per_write, errors, pos = [], [], 0
     for span in snap.spans:
         n = Sums.chunk_count(len(span), CHUNK_BYTES)
-        per_write.append(flat[pos:pos + n])
+        per_write.append([c for c, _ in flat[pos:pos + n]])
+        errors.append(max((e for _, e in flat[pos:pos + n]), default=0.0))
         pos += n
     offsets, pos = [0] * len(snap.spans), 0
     # Writes keep their plan order in the file.
@@ -396,7 +396,7 @@ def _compressed_layout(snap: Snapshot, codec: str, itemsizes: Sequence[int], exe
             at += len(c)
         chunks.append(views)
     objects = [(key, off, n, _put(whole, off, mv)) for key, off, n, mv in objects]
-    return pos, [Segment(0, whole[:pos])], offsets, chunks, objects
+    return pos, [Segment(0, whole[:pos])], offsets, chunks, objects, errors
 
 
 def _put(whole: memoryview, off: int, data: memoryview) -> memoryview:
@@ -416,20 +416,24 @@ class Incremental:
 @gc_paused()
 def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None, *,
             durable: bool, timer: PhaseTimer, compression: str | None = None,
-            itemsizes: Sequence[int] = (), incremental: Incremental | None = None) -> RankResult:
+            itemsizes: Sequence[int] = (), incremental: Incremental | None = None,
+            codecs: Sequence[str | None] = (), dtypes: Sequence[str] = ()) -> RankResult:
     """Write this rank's data file and checksum what it wrote. With `compression` (a codec of
     format/codec.py; `itemsizes`: the element size of each write's tensor), each CHUNK_BYTES
     chunk of each write is compressed on its own and the file laid out anew (RankResult.offsets,
-    .stored); the checksums are those of the stored bytes. With `incremental`, only the blocks
+    .stored); the checksums are those of the stored bytes. `codecs`: per write a codec other
+    than `compression` or None (quantize_optimizer=), `dtypes` the writes' tensors' dtypes. With
+    `incremental`, only the blocks
     that changed since its base are written (RankResult.pieces)."""
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
     if incremental is not None:
         return _persist_incremental(storage, snap, rank, save_id, executor, durable, timer, incremental)
     if compression is not None:
+        per_write = [c or compression for c in codecs] if codecs else [compression] * len(snap.spans)
         with timer.phase("compress"):
-            file_bytes, segments, offsets, chunks, objects = _compressed_layout(snap, compression, itemsizes,
-                                                                                executor)
+            file_bytes, segments, offsets, chunks, objects, errors = _compressed_layout(
+                snap, per_write, itemsizes, dtypes or [""] * len(snap.spans), executor)
         rel = data_file_name(save_id, rank) if snap.file_bytes else None
         with timer.phase("checksum"):
             flat = checksums([c for cs in chunks for c in cs], executor)
@@ -442,7 +446,9 @@ def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor:
         if rel is not None:
             _write(storage, rel, file_bytes, segments, executor, durable, timer)
         return RankResult(rank, rel, file_bytes if rel is not None else 0, sums, objs, codec=compression,
-                          offsets=offsets, stored=[[len(c) for c in cs] for cs in chunks])
+                          offsets=offsets, stored=[[len(c) for c in cs] for cs in chunks],
+                          quantized=[[i, c, errors[i]] for i, c in enumerate(codecs)
+                                     if c is not None and c != compression])
     rel = data_file_name(save_id, rank) if snap.file_bytes else None
     with timer.phase("checksum"):
         # One CRC per chunk so that a partial (resharded) read can verify what it reads; the
@@ -567,8 +573,10 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
                         chunk_bytes=CHUNK_BYTES, stored=None if stored is None else stored[crc_rows], codec=codec)
     bounds = np.searchsorted(tid, np.arange(len(plan.names) + 1))
     # Every tensor any rank holds gets an entry, even if all its boxes are empty.
+    quantized = _quantized_tensors(plan, results)
     tensors: dict[str, TensorEntry] = {
-        name: table.entry(plan.shapes[t], plan.dtypes[t], int(bounds[t]), int(bounds[t + 1]))
+        name: table.entry(plan.shapes[t], plan.dtypes[t], int(bounds[t]), int(bounds[t + 1]),
+                          quantized.get(name, {}).get("scheme"))
         for t, name in enumerate(plan.names)}
     block_hashes = {}
     if incremental is not None:
@@ -590,7 +598,29 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
     return Manifest(save_id=save_id, world_size=len(results), files=files, tensors=tensors, objects=objects,
                     layout=layout, tool_version=tool_version, created=time.time(), version=FORMAT_VERSION,
                     chunk_bytes=CHUNK_BYTES, compression=codec, block_bytes=inc.get("block_bytes"),
-                    hashes=block_hashes, base=inc.get("base"), chain=inc.get("chain", 0))
+                    hashes=block_hashes, base=inc.get("base"), chain=inc.get("chain", 0), quantized=quantized)
+
+
+def _quantized_tensors(plan: GlobalPlan, results: list[RankResult]) -> dict[str, dict]:
+    """Per quantized tensor: its scheme and the largest error any rank's chunks of it made. Every
+    box of a tensor must be stored alike (the manifest holds one codec per tensor)."""
+    out: dict[str, dict] = {}
+    of_tensor: dict[int, set] = {}
+    for r in results:
+        a = int(plan.write_start[r.rank])
+        marked = {int(i): (c, float(e)) for i, c, e in r.quantized or ()}
+        for j in range(int(plan.write_start[r.rank + 1]) - a):
+            t = int(plan.write_tensor[a + j])
+            scheme, error = marked.get(j, (None, 0.0))
+            of_tensor.setdefault(t, set()).add(scheme)
+            if scheme is not None:
+                name = plan.names[t]
+                seen = out.setdefault(name, {"scheme": scheme, "max_error": 0.0})
+                seen["max_error"] = max(seen["max_error"], error)
+    mixed = [plan.names[t] for t, schemes in of_tensor.items() if len(schemes) > 1]
+    if mixed:
+        raise RuntimeError(f"ranks stored boxes of {mixed[0]!r} with different codecs: {sorted(map(str, of_tensor[plan.names.index(mixed[0])]))}")
+    return out
 
 
 def _regroup(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

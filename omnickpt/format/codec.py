@@ -17,9 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from omnickpt.errors import CorruptCheckpointError
+from omnickpt.format.quant import SCHEMES, dequantize_into, quantize
 
 CODECS = ("zstd", "bytesplit-zstd")
 DEFAULT_LEVEL = 3
+# What a manifest may name: the lossless codecs, "none" (the chunked layout with every chunk stored
+# raw: a checkpoint whose only encoded tensors are quantized ones) and, per tensor, the lossy
+# quantization schemes of format/quant.py.
+STORED_CODECS = CODECS + ("none",)
+TENSOR_CODECS = SCHEMES
 
 
 def check_codec(codec: str | None) -> str | None:
@@ -77,3 +83,31 @@ def decompress_into(stored: memoryview | bytes, codec: str, itemsize: int, out: 
         _unplanes(data, itemsize, out)
     else:
         np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+def encode_chunk(raw: memoryview, codec: str, itemsize: int, dtype: str) -> tuple[memoryview, float]:
+    """(the stored bytes of one chunk, the largest error of a lossy codec: 0.0 for lossless). A
+    chunk is stored raw, exactly, when its encoding would not be smaller (the reader tells it by
+    its stored length); so is every chunk of codec "none"."""
+    raw = memoryview(raw).cast("B")
+    if codec == "none":
+        return raw, 0.0
+    if codec in SCHEMES:
+        stored, error = quantize(raw, dtype, codec)
+    else:
+        stored, error = compress(raw, codec, itemsize), 0.0
+    return (raw, 0.0) if len(stored) >= len(raw) else (memoryview(stored), error)
+
+
+def decode_into(stored: memoryview | bytes, codec: str, itemsize: int, dtype: str | None, out: memoryview,
+                where: str) -> None:
+    """The raw bytes of one encoded chunk (shorter than `out`: a chunk as long is stored raw)."""
+    if codec in SCHEMES:
+        if dtype is None:
+            raise CorruptCheckpointError(f"{where}: a quantized chunk of a tensor of unknown dtype")
+        dequantize_into(stored, dtype, codec, out, where)
+    elif codec == "none":
+        raise CorruptCheckpointError(f"{where}: the chunk is shorter than its raw length in a checkpoint that stores "
+                                     "it raw; the checkpoint is damaged")
+    else:
+        decompress_into(stored, codec, itemsize, out, where)

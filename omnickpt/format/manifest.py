@@ -30,7 +30,8 @@ import torch
 
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from omnickpt.format.checksum import checksum
-from omnickpt.format.codec import CODECS
+from omnickpt.format.codec import STORED_CODECS, TENSOR_CODECS
+from omnickpt.format.quant import QUANT_DTYPES
 
 FORMAT_NAME = "omnickpt"
 FORMAT_VERSION = 3
@@ -99,6 +100,7 @@ class Sums:
     stored: tuple[int, ...] | None = None
     codec: str | None = None
     itemsize: int = 1
+    dtype: str | None = None    # the tensor's: a quantized chunk decodes into it
 
     def file_chunk(self, i: int) -> tuple[int, int]:
         """File bytes [a, b) where chunk i is stored (`chunk(i)` unless compressed)."""
@@ -195,6 +197,7 @@ class BoxColumns:
     stored: np.ndarray | None = None   # int64 [total chunks], with codec
     codec: str | None = None
     itemsize: int = 1
+    dtype: str | None = None
 
     def __len__(self) -> int:
         return len(self.file)
@@ -202,7 +205,8 @@ class BoxColumns:
     def _compressed(self, a: int, b: int) -> dict:
         if self.codec is None:
             return {}
-        return {"stored": tuple(self.stored[a:b].tolist()), "codec": self.codec, "itemsize": self.itemsize}
+        return {"stored": tuple(self.stored[a:b].tolist()), "codec": self.codec, "itemsize": self.itemsize,
+                "dtype": self.dtype}
 
     def sums(self, i: int) -> Sums | None:
         """Box i's checksum grid, as SavedBox.sums holds it."""
@@ -238,12 +242,12 @@ class BoxColumns:
         if any(type(b) is not SavedBox for b in boxes):
             return None
         codecs = {s.codec for s in sums if s is not None}
-        codec, itemsize, stored = None, 1, None
+        codec, itemsize, stored, dtype = None, 1, None, None
         if codecs and codecs != {None}:
-            itemsizes = {s.itemsize for s in sums}
-            if len(codecs) != 1 or len(itemsizes) != 1:
+            itemsizes, dtypes = {s.itemsize for s in sums}, {s.dtype for s in sums}
+            if len(codecs) != 1 or len(itemsizes) != 1 or len(dtypes) != 1:
                 return None
-            codec, itemsize = codecs.pop(), itemsizes.pop()
+            codec, itemsize, dtype = codecs.pop(), itemsizes.pop(), dtypes.pop()
             stored = np.array([x for s in sums for x in s.stored], dtype=np.int64)
         if all(s is None for s in sums):
             chunk_bytes, counts, crcs = None, [0] * n, []
@@ -271,7 +275,7 @@ class BoxColumns:
             offset=np.array([b.offset for b in boxes], dtype=np.int64),
             nbytes=np.array([b.nbytes for b in boxes], dtype=np.int64),
             sums_start=starts, crcs=np.array(crcs, dtype=np.uint32), chunk_bytes=chunk_bytes,
-            stored=stored, codec=codec, itemsize=itemsize)
+            stored=stored, codec=codec, itemsize=itemsize, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -290,8 +294,11 @@ class ColumnTable:
     stored: np.ndarray | None = None   # like crcs: each chunk's stored length (a compressed save)
     codec: str | None = None
 
-    def entry(self, shape: tuple[int, ...], dtype: str, a: int, b: int) -> "TensorEntry":
-        return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape), dtype_from_name(dtype).itemsize))
+    def entry(self, shape: tuple[int, ...], dtype: str, a: int, b: int, codec: str | None = None) -> "TensorEntry":
+        """Rows [a, b) as a tensor's entry; `codec`: this tensor's, where it is not the table's (a
+        quantized optimizer moment in a checkpoint whose other tensors are stored otherwise)."""
+        return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape), dtype_from_name(dtype).itemsize,
+                                                         dtype, codec or self.codec))
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,8 @@ class _TableRows:
     b: int
     ndim: int
     itemsize: int
+    dtype: str | None = None
+    codec: str | None = None
 
     def __call__(self) -> BoxColumns:
         t, a, b = self.table, self.a, self.b
@@ -309,7 +318,8 @@ class _TableRows:
                           lengths=np.ascontiguousarray(t.lengths[a:b, :self.ndim]),
                           file=t.file[a:b], offset=t.offset[a:b], nbytes=t.nbytes[a:b],
                           sums_start=t.sums_start[a:b + 1] - s0, crcs=t.crcs[s0:s1], chunk_bytes=t.chunk_bytes,
-                          stored=None if t.stored is None else t.stored[s0:s1], codec=t.codec, itemsize=self.itemsize)
+                          stored=None if t.stored is None else t.stored[s0:s1], codec=self.codec,
+                          itemsize=self.itemsize, dtype=self.dtype)
 
 
 class TensorEntry:
@@ -420,6 +430,9 @@ class Manifest:
     # last full one. None: no hashes (an ordinary save).
     block_bytes: int | None = None
     hashes: dict[str, np.ndarray] = field(default_factory=dict)
+    # Lossy quantization (save(quantize_optimizer=), format/quant.py), version 3 only: per tensor
+    # stored quantized, {"scheme": "int8" | "fp8", "max_error": the largest |x - x'| measured}.
+    quantized: dict[str, dict] = field(default_factory=dict)
     base: str | None = None
     chain: int = 0
     # True once a transform has rewritten it (omnickpt/transforms.py); never stored.
@@ -464,7 +477,7 @@ class Manifest:
         if c is None or (len(c) and c.chunk_bytes != self.chunk_bytes):
             raise ValueError(f"tensor {name!r}: its boxes have no checksum grid of their own bytes in chunks of "
                              f"{self.chunk_bytes}; only stored boxes can be encoded")
-        if len(c) and c.codec != self.compression:
+        if len(c) and c.codec != self.compression and c.codec != self.quantized.get(name, {}).get("scheme"):
             raise ValueError(f"tensor {name!r}: its boxes are stored with compression {c.codec!r}, the manifest "
                              f"says {self.compression!r}")
         return c
@@ -542,6 +555,9 @@ def _encode_v3(m: Manifest) -> bytes:
     for name, t in m.tensors.items():
         c = m._stored_columns(name, t)
         index[name] = {"shape": list(t.shape), "dtype": t.dtype, "boxes": len(c), "chunks": len(c.crcs)}
+        if name in m.quantized:
+            index[name]["codec"] = m.quantized[name]["scheme"]
+            index[name]["max_error"] = float(m.quantized[name]["max_error"])
         if m.block_bytes:
             h = np.asarray(m.hashes.get(name, np.zeros(0, dtype=np.uint64)), dtype=np.uint64)
             index[name]["blocks"] = int(h.size)
@@ -634,7 +650,7 @@ def _index_hashes(m: Manifest, index: dict, hashes: np.ndarray, where: str, want
 
 def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set | None) -> None:
     """Validate the tensor index against the arrays, then the rows of the wanted tensors, in bulk."""
-    names, shapes, dtypes, itemsizes, nbox, nchunk = [], [], [], [], [], []
+    names, shapes, dtypes, itemsizes, nbox, nchunk, codecs = [], [], [], [], [], [], []
     for name, t in index.items():
         if not isinstance(t, dict):
             raise _corrupt(where, f"tensor {name!r} has no valid index record")
@@ -647,6 +663,17 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
         n, k = _int(t["boxes"], f"tensor {name!r} boxes"), _int(t["chunks"], f"tensor {name!r} chunks")
         if n < 0 or k < 0:
             raise _corrupt(where, f"tensor {name!r} declares {n} boxes and {k} chunks")
+        codec = t.get("codec")
+        if codec is not None:
+            if codec not in TENSOR_CODECS or not m.compression or t["dtype"] not in QUANT_DTYPES:
+                raise _corrupt(where, f"tensor {name!r} is stored with codec {codec!r:.40}, which this omnickpt "
+                               "does not know for its dtype or without a chunked layout (upgrade omnickpt?)")
+            error = t.get("max_error")
+            if type(error) not in (int, float) or not error >= 0:
+                raise _corrupt(where, f"tensor {name!r} is quantized but records no valid max_error")
+            if wanted is None or name in wanted:
+                m.quantized[name] = {"scheme": codec, "max_error": float(error)}
+        codecs.append(codec)
         names.append(name)
         shapes.append(shape)
         dtypes.append(t["dtype"])
@@ -670,7 +697,8 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
     m.tensors = {}
     for i in sel:
         m.tensors[names[i]] = TensorEntry(shapes[i], dtypes[i], load=_Slice(
-            store, int(row0[i]), int(row0[i + 1]), int(elem0[i]), len(shapes[i]), int(crc0[i]), itemsizes[i]))
+            store, int(row0[i]), int(row0[i + 1]), int(elem0[i]), len(shapes[i]), int(crc0[i]), itemsizes[i],
+            dtypes[i], codecs[i]))
 
 
 def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -832,6 +860,8 @@ class _Slice:
     ndim: int
     crc0: int
     itemsize: int
+    dtype: str | None = None
+    codec: str | None = None    # this tensor's own (quantized), else the manifest's
 
     def __call__(self) -> BoxColumns:
         n = self.row1 - self.row0
@@ -839,7 +869,7 @@ class _Slice:
         nbytes = self.store.nbytes[self.row0:self.row1].copy()
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(-(-nbytes // self.store.chunk_bytes), out=starts[1:])
-        codec = self.store.codec
+        codec = self.codec or self.store.codec
         col, c1 = self.store.column, self.crc0 + int(starts[-1])
         return BoxColumns(
             offsets=col("offsets", self.elem0, e1).reshape(n, self.ndim),
@@ -850,7 +880,7 @@ class _Slice:
             crcs=col("crcs", self.crc0, c1, np.uint32),
             chunk_bytes=self.store.chunk_bytes,
             stored=None if codec is None else col(_STORED, self.crc0, c1),
-            codec=codec, itemsize=self.itemsize)
+            codec=codec, itemsize=self.itemsize, dtype=self.dtype)
 
 
 def _refuse_constant(name: str):
@@ -956,9 +986,9 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
         raise ValueError(f"created must be a number, got {created!r:.40}")
     block_bytes, base, chain = _incremental(doc, where, version)
     compression = doc.get("compression") if version >= 3 else None
-    if compression is not None and compression not in CODECS:
+    if compression is not None and compression not in STORED_CODECS:
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r:.40} (this omnickpt knows "
-                                     f"{', '.join(CODECS)}): upgrade omnickpt, or the manifest is damaged")
+                                     f"{', '.join(STORED_CODECS)}): upgrade omnickpt, or the manifest is damaged")
     return Manifest(
         save_id=str(doc["save_id"]), world_size=world_size, files=files, tensors=tensors,
         objects=objects, layout=dict(doc.get("layout") or {}), tool_version=str(doc.get("tool_version", "")),
