@@ -62,6 +62,18 @@ def test_only_changed_blocks_are_written_and_the_first_checkpoint_can_be_retired
     assert report.ok, report.problems
 
 
+def test_inspect_says_what_an_incremental_checkpoint_references(tmp_path, capsys):
+    from omnickpt.cli import main as cli
+    model = _model()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    omnickpt.save(a, {"model": model}, incremental=True)
+    _touch(model, [9])
+    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    assert cli(["inspect", b]) == 0
+    out = capsys.readouterr().out
+    assert "incremental (chain 1, compared with a)" in out and "../a/data/" in out
+
+
 def test_corruption_of_a_referenced_block_is_caught_by_verify_and_load(tmp_path):
     model = _model()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

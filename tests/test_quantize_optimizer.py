@@ -41,7 +41,7 @@ def _data_bytes(path) -> int:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
-def test_moments_within_the_recorded_error_weights_and_steps_exact(tmp_path, scheme):
+def test_moments_within_the_recorded_error_weights_and_steps_exact(tmp_path, scheme, capsys):
     model, opt = _trained()
     q, plain = str(tmp_path / "q"), str(tmp_path / "plain")
     omnickpt.save(q, {"model": model, "optim": opt}, quantize_optimizer=scheme)
@@ -65,6 +65,9 @@ def test_moments_within_the_recorded_error_weights_and_steps_exact(tmp_path, sch
     # int8 moments are ~1/4 of their fp32 bytes: two thirds of the plain checkpoint is moments
     assert _data_bytes(q) < 0.55 * _data_bytes(plain)
     assert verify(q).ok
+    from omnickpt.cli import main as cli
+    assert cli(["inspect", q]) == 0
+    assert f"8 tensor(s) quantized ({scheme}, lossy)" in capsys.readouterr().out
     with omnickpt.open(plain) as r:
         assert r.manifest.quantized == {}
 

@@ -80,6 +80,10 @@ def describe_manifest(m: Manifest, path: str, *, boxes: bool = False, filters: S
         "format_version": m.version,
         "chunk_bytes": m.chunk_bytes if m.version >= 2 else None,
         "compression": getattr(m, "compression", None),
+        "incremental": ({"block_bytes": m.block_bytes, "base": m.base, "chain": m.chain,
+                         "referenced_files": [f.path for f in m.files if f.path.startswith("../")]}
+                        if getattr(m, "block_bytes", None) else None),
+        "quantized": dict(getattr(m, "quantized", {}) or {}),
         "tool_version": m.tool_version,
         "save_id": m.save_id,
         "created": m.created,
@@ -240,9 +244,19 @@ def _layout_lines(doc: dict) -> list[str]:
                    .strftime("%Y-%m-%d %H:%M:%S UTC") if doc["created"] else "an unknown time")
         lines = [f"  save id {doc['save_id']}, format version {doc['format_version']}, written by omnickpt "
                  f"{doc['tool_version'] or '?'} at {created}"]
-        if doc.get("compression"):
+        if doc.get("compression") and doc["compression"] != "none":
             lines.append(f"  compressed with {doc['compression']}: {doc['totals']['tensor_bytes']:,} tensor bytes in "
                          f"{doc['totals']['file_bytes']:,} file bytes")
+        inc = doc.get("incremental")
+        if inc:
+            lines.append(f"  incremental (chain {inc['chain']}, compared with {inc['base'] or 'the checkpoint it replaced'}"
+                         f"): {len(inc['referenced_files'])} data file(s) of earlier checkpoints referenced"
+                         + (": " + ", ".join(inc["referenced_files"][:3]) if inc["referenced_files"] else ""))
+        if doc.get("quantized"):
+            q = doc["quantized"]
+            schemes = sorted({v["scheme"] for v in q.values()})
+            lines.append(f"  {len(q)} tensor(s) quantized ({', '.join(schemes)}, lossy): largest error "
+                         f"{max(v['max_error'] for v in q.values()):.3g}")
     else:
         lines = [f"  format: {_FORMAT_NAMES.get(fmt, fmt)} (read without conversion)"]
     lines.append(f"  saved by {doc['world_size']} rank(s); frameworks: "
