@@ -9,7 +9,9 @@ How it goes (`CheckpointManager.guard(state)`, every rank):
    makes the rank a *failed* one. Failed ranks and SIGTERM'd ranks (which raise via the manager's
    handler) write a marker and re-raise at once.
 2. Survivors write a marker too, then wait (`grace` seconds at most) until every rank of the job
-   has one; a rank without a marker by then is taken as dead (SIGKILL, a crashed node).
+   has one; a rank without a marker by then is taken as dead (SIGKILL, a crashed node). A survivor
+   sure not to save (its own replica group lost a rank, or no complete replica exists) leaves at
+   once: gloo's abort does not unblock a peer stuck in a collective with it, its exit does.
 3. The survivors pick the savers from the markers alone, so every survivor picks the same ones
    without a collective (the job's process group is broken): with DDP (every rank holds the whole
    state) the lowest surviving rank saves alone; with HSDP (a 2-D mesh, replicated across one
@@ -30,7 +32,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omnickpt.errors import CheckpointTimeoutError
 from omnickpt.storage import Storage
@@ -70,6 +72,15 @@ def pick_savers(replicas: Replicas, alive: Sequence[int]) -> tuple[int, ...] | N
         if group and set(group) <= live:
             return group
     return None
+
+
+def cannot_save(replicas: Replicas, rank: int, found: dict[int, dict]) -> bool:
+    """Whether this rank is sure it will not save (pure): no group holds a complete replica, or a
+    rank of its own group has said it failed. Such a rank leaves at once rather than wait out the
+    grace period: a survivor blocked in a collective with it (gloo's abort does not unblock its
+    peers) is freed only when its process goes, and must still post its marker in time."""
+    mine = [g for g in replicas.groups if rank in g]
+    return not mine or all(any(r in found and not found[r].get("survivor") for r in g) for g in mine)
 
 
 def replicas_of(state: dict, world_size: int) -> Replicas:
@@ -118,8 +129,10 @@ def post_marker(storage: Storage, run: str, rank: int, doc: dict) -> None:
         log.error("omnickpt: rank %d could not post its failure marker to %s: %s", rank, storage.describe(), e)
 
 
-def await_markers(storage: Storage, run: str, world_size: int, grace: float) -> dict[int, dict]:
-    """Every rank's marker that arrives within `grace` seconds (a dead rank writes none)."""
+def await_markers(storage: Storage, run: str, world_size: int, grace: float,
+                  stop: Callable[[dict[int, dict]], bool] | None = None) -> dict[int, dict]:
+    """Every rank's marker that arrives within `grace` seconds (a dead rank writes none), or the
+    markers found once `stop(found)` is true."""
     deadline, delay, found = time.monotonic() + grace, 0.005, {}
     while True:
         for rel in storage.list(f"{MARKERS}/{run}"):
@@ -131,7 +144,7 @@ def await_markers(storage: Storage, run: str, world_size: int, grace: float) -> 
                         found[rank] = json.loads(storage.read_bytes(rel))
                     except (FileNotFoundError, ValueError):
                         continue
-        if len(found) >= world_size or time.monotonic() > deadline:
+        if len(found) >= world_size or time.monotonic() > deadline or (stop is not None and stop(found)):
             return found
         time.sleep(delay)
         delay = min(delay * 2, 0.1)

@@ -201,7 +201,8 @@ class CheckpointManager:
             raise
 
     def _save_at_failure(self, state: dict, error: BaseException, grace: float) -> dict:
-        from omnickpt.failure import MARKERS, await_markers, peer_failure, pick_savers, post_marker, replicas_of
+        from omnickpt.failure import (MARKERS, await_markers, cannot_save, peer_failure, pick_savers, post_marker,
+                                      replicas_of)
         rank, world, step = self._comm.rank, self._comm.world_size, self._last_step
         survivor = world > 1 and peer_failure(error)
         run = f"{self._run}-s{step}"
@@ -214,14 +215,18 @@ class CheckpointManager:
             return {"saved": False, "reason": "no step to save (read-only, closed, or save() never called)"}
         if step in self.steps():
             return {"saved": False, "step": step, "reason": f"step {step}, the newest, is already committed"}
-        alive = [rank]
+        alive, replicas = [rank], replicas_of(state, world)
         if world > 1:
             # Ranks still blocked in a collective with this one would wait for the process group's
             # own timeout: closing this rank's connections fails their collective now.
             abort_groups(self._group, state)
-            markers = await_markers(self._storage, run, world, grace)
+            markers = await_markers(self._storage, run, world, grace,
+                                    stop=lambda found: cannot_save(replicas, rank, found))
             alive = sorted(r for r, m in markers.items() if m.get("survivor"))
-        savers = pick_savers(replicas_of(state, world), alive) if world > 1 else (rank,)
+            if replicas.groups and cannot_save(replicas, rank, markers) and len(markers) < world:
+                return {"saved": False, "alive": alive, "reason": "this rank's replica group lost a rank: it "
+                        "leaves, the other groups decide"}
+        savers = pick_savers(replicas, alive) if world > 1 else (rank,)
         if savers is None:
             log.error("omnickpt: rank(s) %s failed and no complete replica of the state survives (surviving ranks %s); "
                       "nothing was saved at failure, step %s of %s stays the newest committed one",

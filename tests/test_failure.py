@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from omnickpt.failure import Replicas, peer_failure, pick_savers
+from omnickpt.failure import Replicas, cannot_save, peer_failure, pick_savers
 
 FAIL_RANK, FAIL_STEP = 2, 3
 
@@ -23,6 +23,16 @@ def test_the_first_replica_group_whose_ranks_all_survive_saves():
     assert pick_savers(hsdp, [0, 2, 3]) == (2, 3)
     assert pick_savers(hsdp, [0, 3]) is None
     assert pick_savers(Replicas(()), [0, 1, 2]) is None
+
+
+def test_a_survivor_whose_own_group_lost_a_rank_leaves_without_waiting():
+    hsdp = Replicas(((0, 1), (2, 3)))
+    failed, alive = {"survivor": False}, {"survivor": True}
+    assert cannot_save(hsdp, 3, {2: failed})            # its group lost rank 2: it will never save
+    assert not cannot_save(hsdp, 1, {2: failed, 3: alive})   # its group is whole so far: it waits
+    assert not cannot_save(hsdp, 1, {})
+    assert cannot_save(Replicas(()), 0, {})                # FSDP: no group could ever save
+    assert cannot_save(Replicas(((0,), (1,))), 0, {0: failed})
 
 
 def test_errors_from_a_peer_that_went_away_are_told_from_a_ranks_own():
@@ -104,7 +114,7 @@ def _load(rank: int, world: int, root: str, step: int):
     return _values(model, opt)
 
 
-@pytest.mark.parametrize("layout", ["ddp"])
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
 def test_survivors_save_the_newest_step_and_it_loads_exactly_elsewhere(tmp_path, layout):
     import omnickpt
     out = run_ranks(4, _job, str(tmp_path), layout, timeout=300)
