@@ -158,15 +158,13 @@ def plan_pieces(meta: WriteMeta, hashes: np.ndarray, base: Base | None, block_by
         return [(0, rows_total, None, 0)]
     rpb = rows_per_block(meta.lengths, meta.itemsize, block_bytes)
     row_bytes = math.prod(meta.lengths[1:]) * meta.itemsize
-    runs: list[tuple[int, int, int | None, int]] = []
-    for b in range(len(hashes)):
-        row, rows = b * rpb, min(rpb, rows_total - b * rpb)
-        ref = int(file[b]) if same[b] else None
-        if runs:
-            prow, prows, pref, poff = runs[-1]
-            contiguous = ref is None or int(offset[b]) == poff + prows * row_bytes
-            if pref == ref and contiguous:
-                runs[-1] = (prow, prows + rows, pref, poff)
-                continue
-        runs.append((row, rows, ref, int(offset[b]) if ref is not None else 0))
-    return runs
+    nb = len(hashes)
+    # A run ends where a block changes from written to referenced or back, or where the next
+    # referenced block is not the next bytes of the same base file.
+    cut = np.ones(nb, dtype=bool)
+    cut[1:] = (same[1:] != same[:-1]) | (same[1:] & ((file[1:] != file[:-1])
+                                                     | (offset[1:] != offset[:-1] + rpb * row_bytes)))
+    starts = np.nonzero(cut)[0].tolist()
+    ends = starts[1:] + [nb]
+    return [(b * rpb, min(e * rpb, rows_total) - b * rpb, int(file[b]) if same[b] else None,
+             int(offset[b]) if same[b] else 0) for b, e in zip(starts, ends)]
