@@ -792,7 +792,14 @@ def _chain_base(path: str, base: str | None, full_every: int | None) -> tuple[by
             raise CheckpointError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing)")
         return None, None, 0
     data = store.read_bytes(MANIFEST_NAME)
-    head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
+    try:
+        head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
+    except CheckpointError as e:
+        if base is not None and name is not None:
+            raise
+        # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
+        log.warning("omnickpt: incremental save over %s: its manifest cannot be read (%s); saving in full", path, e)
+        return None, None, 0
     if not head.block_bytes or head.compression or (full_every is not None and head.chain + 1 >= full_every):
         return None, None, 0
     return data, name, head.chain + 1

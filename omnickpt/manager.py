@@ -320,8 +320,9 @@ class CheckpointManager:
         if not self._saved:
             self._warn_newer_in_root(step)
         self._saved.add(step)
-        if self.incremental:
-            kwargs = {**kwargs, **self._incremental_options(step)}
+        if self.incremental or kwargs.get("incremental"):
+            # incremental against the previous step (unless the call names its own base)
+            kwargs = {**self._incremental_options(step), **kwargs}
         try:
             handle = self._ckpt.save(self.step_path(step), state, async_save=async_save, process_group=self._group,
                                      on_commit=lambda _m, step=step: self._after_commit(step), **kwargs)
@@ -335,7 +336,7 @@ class CheckpointManager:
     def _incremental_options(self, step: int) -> dict:
         """The save options of an incremental step: its base is the newest committed step before it
         (the coordinator reads that step's manifest; every rank passes the same path)."""
-        earlier = [s for s in committed_steps(self._storage) if s < step] if self._comm.is_coordinator else []
+        earlier = [s for s in committed_steps(self._storage) if s < step][-1:] if self._comm.is_coordinator else []
         if self._comm.world_size > 1:
             earlier = self._comm.broadcast_object(earlier, step="incremental base")
         base = self.step_path(earlier[-1]) if earlier else None
