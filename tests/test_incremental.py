@@ -219,3 +219,14 @@ def test_a_two_rank_fsdp2_incremental_checkpoint_loads_at_one_rank(tmp_path):
     with omnickpt.CheckpointReader(b) as r:
         assert torch.equal(r.get("model/weight", ((100, 0), (50, DIM))), full[100:150])
     assert verify(b).ok
+
+
+def test_a_managers_save_can_ask_for_incremental_per_call(tmp_path):
+    model = _model()
+    with omnickpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"model": model}, incremental=True).wait()
+        _touch(model, [1])
+        rep = mgr.save(2, {"model": model}, incremental=True).wait()
+        plain = mgr.save(3, {"model": model}).wait()
+    assert rep["incremental"]["base"] == "global_step_1" and rep["incremental"]["referenced_bytes"] > 0
+    assert "incremental" not in plain
