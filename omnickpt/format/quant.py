@@ -3,7 +3,8 @@ momentum buffers): "int8" and "fp8" (float8 e4m3fn), one float32 scale per BLOCK
 
 Why only optimizer state, and only on request: the moments are running averages that the next
 steps keep overwriting, so the error of a resume from them (int8: up to 0.4% of each block's
-largest value; fp8: up to ~6% of each value) fades, while weights are kept exact. A 4-byte float32
+largest value, 0.8% for second moments; fp8: up to ~6% of each value, ~13% of a second moment)
+fades, while weights are kept exact. A 4-byte float32
 moment becomes ~1.016 bytes (3.9x smaller; 1.97x for bf16/fp16, 7.9x for float64).
 
 Why per-block scales: a moment tensor spans many orders of magnitude across its elements (exp_avg_sq
@@ -13,19 +14,30 @@ each block's small values from being rounded away by a large value elsewhere in 
 Payload of one chunk of n elements (stored_size(n) = 4 * ceil(n / BLOCK) + n bytes):
 
     ceil(n / BLOCK) float32 scales, little-endian, scale k for elements [k*BLOCK, (k+1)*BLOCK)
-        (the last block may be shorter)
-    n bytes, one per element:
-        "int8": q as a two's-complement int8 in [-127, 127];  x' = q * scale,
-                scale = absmax(block) / 127  (0 for an all-zero block)
+        (the last block may be shorter); a negative scale marks a block stored as square roots
+    n bytes, one per element, each the code q of t = x (linear block) or t = sqrt(x) (root block):
+        "int8": q as a two's-complement int8 in [-127, 127];  t' = q * |scale|,
+                |scale| = max |t| of the block / 127  (0 for an all-zero block)
         "fp8":  q as the bit pattern of a float8_e4m3fn (never the NaN patterns 0x7f / 0xff);
-                x' = float(q) * scale,  scale = absmax(block) / 448  (448 is e4m3fn's largest finite)
+                t' = float(q) * |scale|,  |scale| = max |t| / 448  (448 is e4m3fn's largest finite)
+    x' = t' for a linear block, t'^2 for a root block.
 
-Error of one element x (before x' is rounded into the chunk's dtype, which adds half an ulp of
-that dtype at x', e.g. 2**-9 relative for bfloat16; and up to float32 rounding, ~2**-23 of the
-block's absmax, from doing the arithmetic in float32):
-    "int8": |x - x'| <= scale / 2
-    "fp8":  |x - x'| <= |x| * 2**-4 + scale * 2**-10   (half an ulp of e4m3 at x/scale: 3 mantissa
+Root blocks: a block with no negative value and some positive one (a second moment, exp_avg_sq) is
+stored as square roots, because its values span many orders of magnitude: on a linear grid of 127
+steps every value below absmax/254 would read back as 0, and a zero second moment turns Adam's next
+update of that element into m / eps. On roots the grid reaches values 254^2 times below absmax, and
+its error is relative to sqrt(x), which is what Adam divides by. For the same reason a value that is
+not zero is never stored as 0: one that would round to 0 is stored as the smallest code of its sign
+(int8 +-1, fp8 +-2**-9).
+
+Error of one element (before x' is rounded into the chunk's dtype, which adds half an ulp of that
+dtype at x', e.g. 2**-9 relative for bfloat16; and up to float32 rounding, ~2**-23 of the block's
+absmax, from doing the arithmetic in float32), with s = |scale| and e the error of t:
+    "int8": e <= s / 2;   "fp8": e <= t * 2**-4 + s * 2**-10 (half an ulp of e4m3 at t/s: 3 mantissa
             bits; below e4m3's normal range, half its smallest subnormal step 2**-9)
+    a value stored as the smallest code instead of 0: e <= that code's value (s, or s * 2**-9)
+    linear block: |x - x'| <= e;   root block: |x - x'| <= e * (2 * sqrt(x) + e)
+    (int8 on a root block: at most ~absmax / 127, and ~(1/127) * sqrt(absmax * x) for small x)
 quantize() returns, besides the payload, the measured max |x - x'| over the chunk (float64), so
 that the caller can record what was lost.
 
@@ -123,22 +135,39 @@ def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[byt
             raise ValueError(f"the chunk holds values up to {big:.3g}, beyond the float32 range of the scales")
     xb = _blocks(x.astype(np.float32, copy=False))
     # max and -min instead of abs().max(): no temporary the size of the chunk; nan propagates
-    absmax = np.maximum(xb.max(axis=1), -xb.min(axis=1))
+    bmax, bmin = xb.max(axis=1), xb.min(axis=1)
+    absmax = np.maximum(bmax, -bmin)
     if not np.isfinite(absmax).all():
         raise ValueError("the chunk holds non-finite values (nan or inf), which quantization cannot represent")
     qmax = _QMAX[scheme]
+    # Non-negative blocks (second moments) are stored as square roots: a linear grid of 127 steps
+    # would round every value below absmax/254 to nothing, and exp_avg_sq spans many more orders of
+    # magnitude within a block than exp_avg does; on roots it spans half as many.
+    root = (bmin >= 0) & (bmax > 0)
+    mag = np.where(root, np.sqrt(absmax), absmax)
     # abs: an all-zero block's -min is -0.0, whose scale would dequantize its zeros as -0.0
-    scales = np.abs(absmax / np.float32(qmax)).astype(np.float32)
+    scales = np.abs(mag / np.float32(qmax)).astype(np.float32)
+    root &= scales > 0
     # a zero scale (all-zero block, or one so small that absmax/qmax underflows) divides by 1
     # instead: its elements are then |x| < 1 and round to 0, the nearest the payload can say
     divisor = np.where(scales > 0, scales, np.float32(1))[:, None]
-    y = np.clip(xb / divisor, -qmax, qmax).reshape(-1)[:n]
+    src = np.where(root[:, None], np.sqrt(np.maximum(xb, 0)), xb)
+    y = np.clip(src / divisor, -qmax, qmax).reshape(-1)[:n]
+    # A value that is not zero is never stored as zero: a second moment read back as 0 turns Adam's
+    # next update of that element into m / eps (10^6 times too large) instead of a smaller one.
+    live = (x != 0) & (np.repeat(scales > 0, BLOCK)[:n])
     if scheme == "int8":
-        q = np.rint(y).astype(np.int8).view(np.uint8)
+        q = np.rint(y).astype(np.int8)
+        flushed = live & (q == 0)
+        q[flushed] = np.where(x[flushed] > 0, 1, -1)
+        q = q.view(np.uint8)
     else:
         # the clip above also keeps torch versions that turn >448 into NaN instead of saturating honest
-        q = torch.from_numpy(np.ascontiguousarray(y)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    payload = scales.astype("<f4").tobytes() + q.tobytes()
+        q = torch.from_numpy(np.ascontiguousarray(y)).to(torch.float8_e4m3fn).view(torch.uint8).numpy().copy()
+        flushed = live & ((q & 0x7F) == 0)
+        q[flushed] = np.where(x[flushed] > 0, 0x01, 0x81)   # e4m3fn's smallest subnormal, 2**-9
+    # a negative scale marks a block of square roots
+    payload = np.where(root, -scales, scales).astype("<f4").tobytes() + q.tobytes()
     back = bytearray(len(raw))
     dequantize_into(payload, dtype_name, scheme, memoryview(back), "quantize")
     # the ufunc casts to float64 in small buffers: ~10x faster than two float64 copies of the chunk
@@ -167,10 +196,10 @@ def dequantize_into(stored: memoryview | bytes, dtype_name: str, scheme: str, ou
     if n == 0:
         return
     nb = _n_blocks(n)
-    scales = np.frombuffer(stored, dtype="<f4", count=nb)
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
-        raise CorruptCheckpointError(f"{where}: the quantized chunk has a negative or non-finite scale; "
-                                     "the checkpoint is damaged")
+    signed = np.frombuffer(stored, dtype="<f4", count=nb)
+    if not np.isfinite(signed).all():
+        raise CorruptCheckpointError(f"{where}: the quantized chunk has a non-finite scale; the checkpoint is damaged")
+    root, scales = signed < 0, np.abs(signed)
     q = np.frombuffer(stored, dtype=np.uint8, offset=4 * nb)
     if scheme == "int8":
         v = q.view(np.int8).astype(np.float32)
@@ -182,9 +211,14 @@ def dequantize_into(stored: memoryview | bytes, dtype_name: str, scheme: str, ou
     # float64 chunks multiply in float64: q (<= 8 significant bits) times a float32 scale is then exact.
     # So do float32 chunks at float32's top, where qmax * (absmax / qmax) may round above absmax and
     # overflow to inf: exact in float64, then clipped back to the largest float32.
-    top = dtype_name == "float32" and float(scales.max()) * _QMAX[scheme] > 2.0 ** 127
+    peak = scales.astype(np.float64) * _QMAX[scheme]
+    peak = np.where(root, peak * peak, peak)
+    top = dtype_name == "float32" and float(peak.max()) > 2.0 ** 127
     work = np.float64 if dtype_name == "float64" or top else np.float32
-    vals = (_blocks(v.astype(work, copy=False)) * scales.astype(work)[:, None]).reshape(-1)[:n]
+    vb = _blocks(v.astype(work, copy=False)) * scales.astype(work)[:, None]
+    if root.any():
+        vb[root] *= vb[root]      # a block of square roots
+    vals = vb.reshape(-1)[:n]
     if top:
         np.clip(vals, -_F32_MAX, _F32_MAX, out=vals)
     _encode_into(vals, dtype_name, out)
