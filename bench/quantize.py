@@ -18,10 +18,11 @@ the recorded max_error divided by that tensor's max |value| (its own scale), the
 median over the exp_avg tensors and over the exp_avg_sq tensors; the loaded moments are compared
 with the originals to check that the recorded error is the real one (measured <= recorded), and the
 weights and step counts must load bitwise exact. Why the error relative to max |value| is not the
-whole story: int8 rounds an element to 0 below half a step (absmax / 254 of its 256-element block),
-and exp_avg_sq, a square, spans twice the orders of magnitude of exp_avg, so an element whose
-exp_avg_sq rounds to 0 can keep a non-zero exp_avg; Adam's next step there is then ~lr * m_hat / eps
-instead of ~lr. So per scheme also: how many exp_avg_sq elements > 0 load as 0 (and of them with
+whole story: a linear int8 grid rounds an element to 0 below half a step (absmax / 254 of its
+256-element block), and exp_avg_sq, a square, spans twice the orders of magnitude of exp_avg, so an
+element whose exp_avg_sq rounds to 0 can keep a non-zero exp_avg; Adam's next step there is then
+~lr * m_hat / eps instead of ~lr. The first version of quant.py did exactly that (564 elements, one
+step 9.6e3x too large; this benchmark found it); root blocks now prevent it. So per scheme also: how many exp_avg_sq elements > 0 load as 0 (and of them with
 exp_avg != 0), and the largest bias-corrected step |m_hat / (sqrt(v_hat) + eps)| from the loaded
 moments against the exact ones.
 

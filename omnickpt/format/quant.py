@@ -22,20 +22,21 @@ Payload of one chunk of n elements (stored_size(n) = 4 * ceil(n / BLOCK) + n byt
                 t' = float(q) * |scale|,  |scale| = max |t| / 448  (448 is e4m3fn's largest finite)
     x' = t' for a linear block, t'^2 for a root block.
 
-Root blocks: a block with no negative value and some positive one (a second moment, exp_avg_sq) is
-stored as square roots, because its values span many orders of magnitude: on a linear grid of 127
+Root blocks: a block with no negative value whose positive values reach below the linear grid's
+resolution (absmax / 254 for int8, absmax / 448 * 2**-10 for fp8: a second moment, exp_avg_sq, whose
+values span many orders of magnitude) is stored as square roots, because on a linear grid of 127
 steps every value below absmax/254 would read back as 0, and a zero second moment turns Adam's next
 update of that element into m / eps. On roots the grid reaches values 254^2 times below absmax, and
-its error is relative to sqrt(x), which is what Adam divides by. For the same reason a value that is
-not zero is never stored as 0: one that would round to 0 is stored as the smallest code of its sign
-(int8 +-1, fp8 +-2**-9).
+its error is relative to sqrt(x), which is what Adam divides by. For the same reason no value of a
+root block that is not zero is stored as 0: one that would round to 0 is stored as the smallest code
+(int8 1, fp8 2**-9).
 
 Error of one element (before x' is rounded into the chunk's dtype, which adds half an ulp of that
 dtype at x', e.g. 2**-9 relative for bfloat16; and up to float32 rounding, ~2**-23 of the block's
 absmax, from doing the arithmetic in float32), with s = |scale| and e the error of t:
     "int8": e <= s / 2;   "fp8": e <= t * 2**-4 + s * 2**-10 (half an ulp of e4m3 at t/s: 3 mantissa
             bits; below e4m3's normal range, half its smallest subnormal step 2**-9)
-    a value stored as the smallest code instead of 0: e <= that code's value (s, or s * 2**-9)
+    a root block's value stored as the smallest code instead of 0: e <= that code's value (s, or s * 2**-9)
     linear block: |x - x'| <= e;   root block: |x - x'| <= e * (2 * sqrt(x) + e)
     (int8 on a root block: at most ~absmax / 127, and ~(1/127) * sqrt(absmax * x) for small x)
 quantize() returns, besides the payload, the measured max |x - x'| over the chunk (float64), so
@@ -143,7 +144,10 @@ def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[byt
     # Non-negative blocks (second moments) are stored as square roots: a linear grid of 127 steps
     # would round every value below absmax/254 to nothing, and exp_avg_sq spans many more orders of
     # magnitude within a block than exp_avg does; on roots it spans half as many.
-    root = (bmin >= 0) & (bmax > 0)
+    # Only where the linear grid would lose a value: a narrow block keeps the linear grid's smaller
+    # absolute error.
+    floor = absmax / np.float32(qmax) * np.float32(0.5 if scheme == "int8" else 2.0 ** -10)
+    root = (bmin >= 0) & (bmax > 0) & ((xb > 0) & (xb < floor[:, None])).any(axis=1)
     mag = np.where(root, np.sqrt(absmax), absmax)
     # abs: an all-zero block's -min is -0.0, whose scale would dequantize its zeros as -0.0
     scales = np.abs(mag / np.float32(qmax)).astype(np.float32)
@@ -153,9 +157,10 @@ def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[byt
     divisor = np.where(scales > 0, scales, np.float32(1))[:, None]
     src = np.where(root[:, None], np.sqrt(np.maximum(xb, 0)), xb)
     y = np.clip(src / divisor, -qmax, qmax).reshape(-1)[:n]
-    # A value that is not zero is never stored as zero: a second moment read back as 0 turns Adam's
-    # next update of that element into m / eps (10^6 times too large) instead of a smaller one.
-    live = (x != 0) & (np.repeat(scales > 0, BLOCK)[:n])
+    # In a root block a value that is not zero is never stored as zero: a second moment read back as
+    # 0 turns Adam's next update of that element into m / eps (10^6 times too large). A signed block
+    # (a first moment) may round its smallest values to 0: the update of that element only shrinks.
+    live = (x != 0) & np.repeat(root, BLOCK)[:n]
     if scheme == "int8":
         q = np.rint(y).astype(np.int8)
         flushed = live & (q == 0)
