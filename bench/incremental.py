@@ -53,7 +53,7 @@ Then a CheckpointManager(incremental=True, full_every=--full-every, keep_last=--
 end the bytes on disk under the root (retention keeps the files of retired steps that kept ones
 reference), every kept step loaded (checksums verified) and the latest checked bitwise.
 
-Results to bench/out/incremental.json.
+Results to bench/out/incremental.json (--out). `--block-bytes 4096` measures a smaller block.
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def _disk_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
-def _one(model, opt, target, topt, sampler, pattern, f, steps, root, prev, gen, run: int) -> dict:
+def _one(model, opt, target, topt, sampler, pattern, f, steps, root, prev, gen, run: int, block_bytes: int) -> dict:
     """One run of one (pattern, f): the chain's full save s0, then per step a training step, an
     incremental save s<k> (base s<k-1>) and a plain full save f<k> of the same state, in turns
     first; then the last of each loaded, in turns first."""
@@ -195,7 +195,7 @@ def _one(model, opt, target, topt, sampler, pattern, f, steps, root, prev, gen, 
     folder = tempfile.mkdtemp(prefix="run-", dir=root)
     at = lambda name: os.path.join(folder, name)   # noqa: E731
     try:
-        s, rep = _save_timed(at("s0"), state, incremental=True)
+        s, rep = _save_timed(at("s0"), state, incremental=True, block_bytes=block_bytes)
         assert rep["incremental"]["chain"] == 0 and rep["incremental"]["base"] is None, rep["incremental"]
         assert rep["incremental"]["referenced_bytes"] == 0, rep["incremental"]
         out = {"lookups": n, "chain0_written": rep["incremental"]["written_bytes"], "chain0_s": s,
@@ -216,7 +216,8 @@ def _one(model, opt, target, topt, sampler, pattern, f, steps, root, prev, gen, 
             out["blocks_changed"].append(blocks)
             for which in (("inc", "full") if (run + k) % 2 else ("full", "inc")):
                 if which == "inc":
-                    s, rep = _save_timed(at(f"s{k}"), state, incremental=True, base=at(f"s{k - 1}"))
+                    s, rep = _save_timed(at(f"s{k}"), state, incremental=True, base=at(f"s{k - 1}"),
+                                         block_bytes=block_bytes)
                     inc = rep["incremental"]
                     assert inc["chain"] == k and inc["base"] == f"s{k - 1}", inc
                     out["inc_written"].append(inc["written_bytes"])
@@ -237,14 +238,16 @@ def _one(model, opt, target, topt, sampler, pattern, f, steps, root, prev, gen, 
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _manager(model, opt, target, topt, sampler, pattern, f, steps, full_every, keep_last, root, prev, gen) -> dict:
+def _manager(model, opt, target, topt, sampler, pattern, f, steps, full_every, keep_last, root, prev, gen,
+             block_bytes: int) -> dict:
     import omnickpt
     n = max(BAG, round(f * sampler.rows / BAG) * BAG)
     state = {"model": model, "optimizer": opt}
     folder = tempfile.mkdtemp(prefix="manager-", dir=root)
     per_step = []
     try:
-        with omnickpt.CheckpointManager(folder, incremental=True, full_every=full_every, keep_last=keep_last) as mgr:
+        with omnickpt.CheckpointManager(folder, incremental=True, full_every=full_every, keep_last=keep_last,
+                                        block_bytes=block_bytes) as mgr:
             for step in range(steps):
                 rows = blocks = None
                 if step:
@@ -289,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mgr-pattern", default="zipf:0.01")
     ap.add_argument("--full-every", type=int, default=4)
     ap.add_argument("--keep-last", type=int, default=2)
+    ap.add_argument("--block-bytes", type=int, default=None, help="incremental block size (default: omnickpt's, 64 KiB)")
+    ap.add_argument("--out", default=None, help="results file (default bench/out/incremental.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -297,22 +302,24 @@ def main(argv=None) -> int:
     model, opt = _model(args.rows, args.dim)
     target, topt = _model(args.rows, args.dim)
     prev = torch.empty_like(model.emb.weight.detach())
-    rpb = rows_per_block((args.rows, args.dim), 4, BLOCK_BYTES)
+    args.block_bytes = args.block_bytes or BLOCK_BYTES
+    rpb = rows_per_block((args.rows, args.dim), 4, args.block_bytes)
     sampler = Sampler(args.rows, rpb)
     table = args.rows * args.dim * 4
     dense = sum(p.numel() * 4 for p in model.mlp.parameters())
     root = tempfile.mkdtemp(prefix="omnickpt-bench-incremental-", dir=args.dir)
-    doc = {"rows": args.rows, "dim": args.dim, "block_bytes": BLOCK_BYTES, "rows_per_block": rpb, "table_bytes": table,
+    doc = {"rows": args.rows, "dim": args.dim, "block_bytes": args.block_bytes, "rows_per_block": rpb, "table_bytes": table,
            "dense_bytes": dense, "bag": BAG, "zipf_s": ZIPF_S, "runs": args.runs, "steps": args.steps, "dir": root,
            "results": {}}
     print(f"table {args.rows} x {args.dim} fp32 = {table / 1e6:.0f} MB, dense MLP {dense / 1e6:.1f} MB, "
-          f"{rpb} rows per {BLOCK_BYTES >> 10} KiB block; {args.runs} runs x (chain start + {args.steps} x (incremental "
+          f"{rpb} rows per {args.block_bytes / 1024:g} KiB block; {args.runs} runs x (chain start + {args.steps} x (incremental "
           f"+ plain full save)); "
           f"checkpoints in {root}")
     try:
         # warm-up (not counted): the first save into fresh files and the first load are slower
         folder = tempfile.mkdtemp(prefix="warmup-", dir=root)
-        _save_timed(os.path.join(folder, "w"), {"model": model, "optimizer": opt}, incremental=True)
+        _save_timed(os.path.join(folder, "w"), {"model": model, "optimizer": opt}, incremental=True,
+                    block_bytes=args.block_bytes)
         _load_timed(os.path.join(folder, "w"), target, topt)
         shutil.rmtree(folder)
         print("save s: median/min; boxes: the table's boxes (runs of rows) in the last incremental checkpoint")
@@ -320,7 +327,8 @@ def main(argv=None) -> int:
               f"{'ratio':>6} {'full s':>9} {'incr s':>9} {'load full':>9} {'load incr':>9} {'boxes':>6}  exact")
         for pattern in args.patterns.split(","):
             for f in (float(x) for x in args.fractions.split(",")):
-                runs = [_one(model, opt, target, topt, sampler, pattern, f, args.steps, root, prev, gen, run)
+                runs = [_one(model, opt, target, topt, sampler, pattern, f, args.steps, root, prev, gen, run,
+                             args.block_bytes)
                         for run in range(args.runs)]
                 every = lambda key: [v for r in runs for v in r[key]]   # noqa: E731
                 med = lambda key: statistics.median(r[key] for r in runs)   # noqa: E731
@@ -354,7 +362,7 @@ def main(argv=None) -> int:
                       f"{row['incr_table_boxes']:>6.0f}  yes")
         pattern, f = args.mgr_pattern.split(":")
         m = _manager(model, opt, target, topt, sampler, pattern, float(f), args.mgr_steps, args.full_every,
-                     args.keep_last, root, prev, gen)
+                     args.keep_last, root, prev, gen, args.block_bytes)
         doc["manager"] = {"pattern": pattern, "fraction": float(f), "steps": args.mgr_steps,
                           "full_every": args.full_every, "keep_last": args.keep_last, **m}
         print(f"\nCheckpointManager(incremental=True, full_every={args.full_every}, keep_last={args.keep_last}), "
@@ -375,7 +383,7 @@ def main(argv=None) -> int:
     doc["seconds"] = time.perf_counter() - t0
     print(f"total {doc['seconds']:.0f} s")
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "incremental.json"), "w") as fh:
+    with open(args.out or os.path.join(HERE, "out", "incremental.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     return 0
 

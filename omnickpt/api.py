@@ -230,7 +230,7 @@ class Checkpointer:
              allow_pickle: bool = False, durable: bool = True, check_replicas: bool = False, role: str | None = None,
              metadata: dict | None = None, on_commit: Callable[[Manifest], None] | None = None,
              compression: str | None = None, snapshot: str | None = None, incremental: bool = False,
-             base: str | None = None, full_every: int | None = None,
+             base: str | None = None, full_every: int | None = None, block_bytes: int | None = None,
              quantize_optimizer: str | None = None) -> SaveHandle:
         """Every rank. See omnickpt.save. Phases: collect (adapters, records, objects encoded),
         settle (one all-gather: digests, save id, paths, errors), plan (a gather and a scatter
@@ -243,7 +243,7 @@ class Checkpointer:
         if snapshot not in (None, "lazy", "eager"):
             raise ValueError(f"snapshot={snapshot!r}: expected 'lazy' (the default of async saves) or 'eager'")
         lazy = async_save and snapshot != "eager"
-        _check_incremental(incremental, base, full_every, compression)
+        _check_incremental(incremental, base, full_every, compression, block_bytes)
         check_scheme(quantize_optimizer)
         if quantize_optimizer is not None and incremental:
             raise UnsupportedError(f"incremental=True with quantize_optimizer={quantize_optimizer!r}: an incremental "
@@ -263,7 +263,7 @@ class Checkpointer:
             collected = _collect(state, comm, timer, allow_pickle, check_replicas, role, metadata)
             if incremental and comm.is_coordinator:
                 with timer.phase("plan"):
-                    chain = _chain_base(path, base, full_every)
+                    chain = _chain_base(path, base, full_every, block_bytes or BLOCK_BYTES)
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
@@ -741,9 +741,13 @@ class _Collected:
     batch: Any = None             # the records as arrays (planner.RecordBatch), sent to the coordinator
 
 
-def _check_incremental(incremental: bool, base: str | None, full_every: int | None, compression: str | None) -> None:
-    if not incremental and (base is not None or full_every is not None):
-        raise ValueError("base= and full_every= are options of incremental saves: pass incremental=True")
+def _check_incremental(incremental: bool, base: str | None, full_every: int | None, compression: str | None,
+                       block_bytes: int | None = None) -> None:
+    if not incremental and (base is not None or full_every is not None or block_bytes is not None):
+        raise ValueError("base=, full_every= and block_bytes= are options of incremental saves: pass incremental=True")
+    if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int)
+                                    or block_bytes < 1):
+        raise ValueError(f"block_bytes={block_bytes!r}: must be a positive int (bytes of rows per hashed block)")
     if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1):
         raise ValueError(f"full_every={full_every!r}: must be a positive int (a full save every that many saves)")
     if incremental and compression is not None:
@@ -772,11 +776,13 @@ def _folder_parts(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def _chain_base(path: str, base: str | None, full_every: int | None) -> tuple[bytes | None, str | None, int]:
+def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES
+                ) -> tuple[bytes | None, str | None, int, int]:
     """Coordinator of an incremental save: (the base's manifest, the base's folder name (None: the
-    checkpoint at `path` itself), this save's place in the chain: 0 for a full save). A full save
-    when there is no base yet, the base holds no block hashes (an ordinary save) or the chain has
-    reached full_every; a base given but absent or damaged is an error (nothing is written)."""
+    checkpoint at `path` itself), this save's place in the chain: 0 for a full save, the block
+    size). A full save when there is no base yet, the base holds no block hashes (an ordinary save)
+    or hashes of another block size, or the chain has reached full_every; a base given but absent
+    or damaged is an error (nothing is written)."""
     where = path if base is None else str(base)
     name = None
     if base is not None:
@@ -790,7 +796,7 @@ def _chain_base(path: str, base: str | None, full_every: int | None) -> tuple[by
     if not store.exists(MANIFEST_NAME):
         if base is not None and name is not None:
             raise CheckpointError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing)")
-        return None, None, 0
+        return None, None, 0, block_bytes
     data = store.read_bytes(MANIFEST_NAME)
     try:
         head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
@@ -799,16 +805,17 @@ def _chain_base(path: str, base: str | None, full_every: int | None) -> tuple[by
             raise
         # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
         log.warning("omnickpt: incremental save over %s: its manifest cannot be read (%s); saving in full", path, e)
-        return None, None, 0
-    if not head.block_bytes or head.compression or (full_every is not None and head.chain + 1 >= full_every):
-        return None, None, 0
-    return data, name, head.chain + 1
+        return None, None, 0, block_bytes
+    if (head.block_bytes != block_bytes or head.compression
+            or (full_every is not None and head.chain + 1 >= full_every)):
+        return None, None, 0, block_bytes
+    return data, name, head.chain + 1, block_bytes
 
 
 def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[[], tuple]:
     """This rank's part of an incremental save, made in the background persist (the base's
     manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
-    data, name, depth = chain
+    data, name, depth, block_bytes = chain
     metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
                        s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
 
@@ -817,9 +824,8 @@ def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[
         if data is not None:
             manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})
             base = Base(manifest, name)
-        return (Incremental(metas, base, base.block_bytes if base is not None else BLOCK_BYTES),
-                {"block_bytes": base.block_bytes if base is not None else BLOCK_BYTES,
-                 "base": name if data is not None else None, "chain": depth})
+        return (Incremental(metas, base, block_bytes),
+                {"block_bytes": block_bytes, "base": name if data is not None else None, "chain": depth})
     return make
 
 
@@ -1008,8 +1014,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
          fast_saving: bool | None = None, global_steps: int | None = None, callback: Callable[[], None] | None = None,
          role: str | None = None, metadata: dict | None = None, checkpointer: Checkpointer | None = None,
          compression: str | None = None, snapshot: str | None = None, incremental: bool = False,
-         base: str | None = None, full_every: int | None = None, quantize_optimizer: str | None = None
-         ) -> SaveHandle:
+         base: str | None = None, full_every: int | None = None, block_bytes: int | None = None,
+         quantize_optimizer: str | None = None) -> SaveHandle:
     """Save `state` (a dict of modules, optimizers, stateful objects, tensors, plain values) to `path`.
 
     Every rank of the process group calls it. With async_save=True it returns once the state is
@@ -1028,7 +1034,9 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     incremental=True writes only the blocks (rows, ~64 KiB each) whose content changed since
     `base` (a checkpoint folder next to `path`; default: the checkpoint at `path` itself, which
     is then replaced) and references the base's bytes for the others; a full save when there is
-    no base with block hashes yet, or every `full_every` saves. Loading is unchanged; retention of
+    no base with block hashes yet, or every `full_every` saves. `block_bytes` (default 64 KiB) sets
+    the block: smaller blocks write fewer bytes where scattered rows change, but cut the checkpoint
+    into more boxes (runs of rows), each costing the load a little. Loading is unchanged; retention of
     a CheckpointManager keeps referenced data (CheckpointManager(incremental=True) does all this).
     quantize_optimizer="int8" or "fp8" (lossy, opt-in) stores the floating state of every
     torch.optim.Optimizer in `state` quantized, one scale per 256 elements: 3.9x smaller in fp32;
@@ -1054,7 +1062,7 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
                      durable=durable, check_replicas=check_replicas, role=role, metadata=metadata,
                      on_commit=on_commit if (global_steps is not None or callback is not None) else None,
                      compression=compression, snapshot=snapshot, incremental=incremental, base=base,
-                     full_every=full_every, quantize_optimizer=quantize_optimizer)
+                     full_every=full_every, block_bytes=block_bytes, quantize_optimizer=quantize_optimizer)
 
 
 def load(path, state: dict, *, strict: bool = True, allow_pickle: bool = False, process_group: Any = None,

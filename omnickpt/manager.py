@@ -73,7 +73,8 @@ class CheckpointManager:
     def __init__(self, root: str, *, keep_last: int | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, read_only: bool = False, on_error: str = "raise", memory: None = None,
                  every: int | str | None = None, max_overhead: float = 0.02, max_interval: int = 10_000,
-                 incremental: bool = False, full_every: int | None = 10, **memory_options):
+                 incremental: bool = False, full_every: int | None = 10, block_bytes: int | None = None,
+                 **memory_options):
         # Memory options without `memory` were always accepted and ignored (call sites pass
         # memory=None to turn the tier off); anything else is a typo.
         from_tier = {"memory_keep", "persist_every", "ranks_per_node", "peer_replicas", "persist_on_failure",
@@ -89,7 +90,10 @@ class CheckpointManager:
         # Incremental: each save writes only the blocks changed since the previous committed step
         # and references that step's data; a full save every `full_every` saves bounds how far back
         # retention must keep data (omnickpt/steps.py keeps what a kept step references).
-        self.incremental, self.full_every = bool(incremental), full_every
+        if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int)
+                                        or block_bytes < 1):
+            raise ValueError(f"block_bytes={block_bytes!r}: must be a positive int (bytes of rows per hashed block)")
+        self.incremental, self.full_every, self.block_bytes = bool(incremental), full_every, block_bytes
         if not read_only:
             error = None
             if self._comm.is_coordinator:
@@ -137,7 +141,7 @@ class CheckpointManager:
         self._last_step: int | None = None        # the newest step given to save(): guard()'s to save
         self._run = self._job_id                  # agreed by the ranks in __init__ (several ranks)
         self.failure_save: dict | None = None     # what guard() did when the job failed
-        self.incremental, self.full_every = False, None   # set by CheckpointManager(incremental=True)
+        self.incremental, self.full_every, self.block_bytes = False, None, None   # CheckpointManager(incremental=True)
 
     def step_path(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -340,7 +344,7 @@ class CheckpointManager:
         if self._comm.world_size > 1:
             earlier = self._comm.broadcast_object(earlier, step="incremental base")
         base = self.step_path(earlier[-1]) if earlier else None
-        return {"incremental": True, "base": base, "full_every": self.full_every}
+        return {"incremental": True, "base": base, "full_every": self.full_every, "block_bytes": self.block_bytes}
 
     def wait(self) -> dict | None:
         """Wait for the in-flight async save, if any (with a memory tier: its commit in memory and

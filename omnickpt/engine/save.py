@@ -18,7 +18,7 @@ if TYPE_CHECKING:   # the engine takes the adapters' records but never imports t
 from omnickpt.format import (CHUNK_BYTES, CONTROL_DIR, ColumnTable, DATA_DIR, FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, Sums, TensorEntry,
                              checksum, dtype_from_name)
 from omnickpt.format.codec import encode_chunk
-from omnickpt.engine.incremental import Base, WriteMeta, block_count, block_hashes, plan_pieces, rows_per_block
+from omnickpt.engine.incremental import Base, WriteMeta, block_hashes, plan_pieces, rows_per_block
 from omnickpt.lease import OWNER_RECORD
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import GlobalPlan, WriteItem
@@ -467,6 +467,9 @@ def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor:
     return RankResult(rank, rel, snap.file_bytes, sums, objs)
 
 
+_GATHER_RUNS = 64   # written runs of an incremental save above which they are gathered into one buffer
+
+
 def _persist_incremental(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None,
                          durable: bool, timer: PhaseTimer, inc: Incremental) -> RankResult:
     """Hash each write's blocks, keep the runs that changed since the base in this rank's file (laid
@@ -498,6 +501,12 @@ def _persist_incremental(storage: Storage, snap: Snapshot, rank: int, save_id: s
                 referenced += len(view)
             views.append(view)
         pieces.append(mine)
+    if len(segments) > _GATHER_RUNS:
+        # Scattered changes make many small runs: one write of them gathered beats a syscall each.
+        buf = np.zeros(pos, dtype=np.uint8)
+        for seg in segments:
+            buf[seg.offset:seg.offset + len(seg.data)] = np.frombuffer(seg.data, dtype=np.uint8)
+        segments = [Segment(0, memoryview(buf))]
     objects = []
     for key, _, n, mv in snap.objects:
         pos = (pos + ALIGN - 1) // ALIGN * ALIGN
@@ -681,43 +690,51 @@ def _piece_boxes(plan: GlobalPlan, results: list[RankResult], file_index: dict[i
                 ref_of[path] = len(files)
                 files.append(FileEntry(path, int(rank), int(size)))
             refs.append(ref_of[path])
+        own = file_index.get(r.rank, -1)
+        ref_files = np.array(refs + [own], dtype=np.int64)   # ref -1 (this rank's file) picks `own`
         for j in range(b - a):
             row = a + j
             t = int(plan.write_tensor[row])
             nd = len(plan.shapes[t])
             o0, l0 = plan.write_offsets[row].astype(np.int64), plan.write_lengths[row].astype(np.int64)
             item = dtype_from_name(plan.dtypes[t]).itemsize
-            lengths = tuple(l0[:nd].tolist())
             row_bytes = (int(np.prod(l0[1:nd])) if nd else 1) * item
-            rpb = rows_per_block(lengths, item, block_bytes)
-            sums, at = r.checksums[j], 0
-            for first, rows, ref, off in r.pieces[j]:
-                o, ln = o0.copy(), l0.copy()
-                if nd:
-                    o[0] += first
-                    ln[0] = rows
-                n = rows * row_bytes
-                k = Sums.chunk_count(n, CHUNK_BYTES)
-                h = block_count(tuple(ln[:nd].tolist()), item, block_bytes) if n else 0
-                tid.append(t)
-                offs.append(o)
-                lens.append(ln)
-                file.append(file_index[r.rank] if ref < 0 else refs[ref])
-                offset.append(off)
-                nbytes.append(n)
-                n_crcs.append(k)
-                crcs.extend(sums[at:at + k])
-                at += k
-                n_hash.append(h)
-                hashes.extend(r.hashes[j][first // rpb:first // rpb + h])
-            if at != len(sums):
-                raise RuntimeError(f"rank {r.rank} reported {len(sums)} checksums for runs of {at} chunks")
+            rpb = rows_per_block(tuple(l0[:nd].tolist()), item, block_bytes)
+            # The runs of one write as columns: no Python per run (a scattered update makes 10^4-10^5).
+            p = np.asarray(r.pieces[j], dtype=np.int64).reshape(-1, 4)
+            first, rows = p[:, 0], p[:, 1]
+            o, ln = np.repeat(o0[None, :], len(p), axis=0), np.repeat(l0[None, :], len(p), axis=0)
+            if nd:
+                o[:, 0] += first
+                ln[:, 0] = rows
+            n = rows * row_bytes
+            k = -(-n // CHUNK_BYTES)
+            if int(k.sum()) != len(r.checksums[j]):
+                raise RuntimeError(f"rank {r.rank} reported {len(r.checksums[j])} checksums for runs of "
+                                   f"{int(k.sum())} chunks")
+            # Runs start on the block grid and cover the write in order: their hashes, one after the
+            # other, are the write's.
+            h = np.where(n > 0, -(-rows // rpb), 0) if nd else np.where(n > 0, 1, 0)
+            if int(h.sum()) != len(r.hashes[j]):
+                raise RuntimeError(f"rank {r.rank} reported {len(r.hashes[j])} block hashes for runs of "
+                                   f"{int(h.sum())} blocks")
+            tid.append(np.full(len(p), t, dtype=np.int64))
+            offs.append(o)
+            lens.append(ln)
+            file.append(ref_files[p[:, 2]])
+            offset.append(p[:, 3])
+            nbytes.append(n)
+            n_crcs.append(k)
+            crcs.extend(r.checksums[j])
+            n_hash.append(h)
+            hashes.extend(r.hashes[j])
     width = plan.write_offsets.shape[1] if plan.write_offsets.ndim == 2 else 0
-    i64 = np.int64
-    return (np.array(tid, dtype=i64), np.array(offs, dtype=i64).reshape(-1, width),
-            np.array(lens, dtype=i64).reshape(-1, width), np.array(file, dtype=i64), np.array(offset, dtype=i64),
-            np.array(nbytes, dtype=i64), np.array(n_crcs, dtype=i64), np.array(crcs, dtype=np.uint32), None,
-            np.array(n_hash, dtype=i64), np.array(hashes, dtype=np.uint64))
+    i64, none = np.int64, np.zeros(0, dtype=np.int64)
+    cat = lambda parts: np.concatenate(parts + [none])   # noqa: E731
+    return (cat(tid), np.concatenate(offs + [np.zeros((0, width), dtype=i64)]).astype(i64),
+            np.concatenate(lens + [np.zeros((0, width), dtype=i64)]).astype(i64), cat(file), cat(offset),
+            cat(nbytes), cat(n_crcs), np.array(crcs, dtype=np.uint32), None, cat(n_hash),
+            np.array(hashes, dtype=np.uint64))
 
 
 def collect_garbage(storage: Storage, manifest: Manifest) -> None:
