@@ -503,10 +503,10 @@ def _persist_incremental(storage: Storage, snap: Snapshot, rank: int, save_id: s
         pieces.append(mine)
     if len(segments) > _GATHER_RUNS:
         # Scattered changes make many small runs: one write of them gathered beats a syscall each.
-        buf = np.zeros(pos, dtype=np.uint8)
-        for seg in segments:
-            buf[seg.offset:seg.offset + len(seg.data)] = np.frombuffer(seg.data, dtype=np.uint8)
-        segments = [Segment(0, memoryview(buf))]
+        whole = memoryview(np.zeros(pos, dtype=np.uint8))
+        for at, data in segments:
+            whole[at:at + len(data)] = data
+        segments = [Segment(0, whole)]
     objects = []
     for key, _, n, mv in snap.objects:
         pos = (pos + ALIGN - 1) // ALIGN * ALIGN
