@@ -331,3 +331,27 @@ def test_server_dying_mid_save_commits_nothing(s3, proxy, monkeypatch):
             omnickpt.load(url, _big_state(5))
         # the previous checkpoint, at another prefix, is intact
         _assert_same(expected, _load_values(s3.url("good")))
+
+
+def test_incremental_steps_on_s3_reference_the_previous_prefix_and_survive_retention(s3):
+    """Incremental saves under an S3 root: the unchanged blocks are read from the previous step's
+    prefix; retention keeps (only) the objects a kept step references; verify follows them."""
+    from omnickpt.cli.verify import verify
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(4096, 64)      # 1 MiB: 16 blocks of 64 KiB
+    mgr = omnickpt.CheckpointManager(s3.url("inc"), keep_last=1, incremental=True)
+    reports = []
+    for step in (1, 2):
+        with torch.no_grad():
+            emb.weight[step * 100] += 1.0
+        reports.append(mgr.save(step, {"model": emb}).wait())
+    assert mgr.steps() == [2]
+    assert reports[1]["incremental"]["base"] == "global_step_1"
+    assert reports[1]["incremental"]["referenced_bytes"] >= 14 * (64 << 10)
+    keys = s3.keys("inc/")
+    assert not any(k.startswith("inc/global_step_1/manifest") for k in keys)
+    assert any(k.startswith("inc/global_step_1/data/") for k in keys)   # referenced by step 2: kept
+    fresh = torch.nn.Embedding(4096, 64)
+    mgr.load_latest({"model": fresh})
+    assert torch.equal(fresh.weight, emb.weight)
+    assert verify(s3.url("inc/global_step_2")).ok
