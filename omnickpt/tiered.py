@@ -25,7 +25,7 @@ from typing import Any
 
 from omnickpt import commit
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle
-from omnickpt.errors import (CheckpointError, CorruptCheckpointError, MismatchError, NotCommittedError,
+from omnickpt.errors import (CheckpointError, UnsupportedError, CorruptCheckpointError, MismatchError, NotCommittedError,
                              UnsafeCheckpointError, error_class, rebuild_error)
 from omnickpt.lease import acquire
 from omnickpt.manager import CheckpointManager, cadence_of, finish_at_exit
@@ -146,6 +146,9 @@ class TieredCheckpointManager(CheckpointManager):
                  checkpointer: Checkpointer | None = None, process_group: Any = None, read_only: bool = False,
                  on_error: str = "raise", every: int | str | None = None, max_overhead: float = 0.02,
                  max_interval: int = 10_000, **options):
+        if options.pop("incremental", False) or {"full_every", "block_bytes"} & set(options):
+            raise UnsupportedError("incremental=True with a memory tier: the memory tier keeps whole steps in shared "
+                                   "memory; use incremental saves on a CheckpointManager without memory=")
         if isinstance(memory, MemoryTierOptions):
             if options:
                 raise TypeError(f"memory=MemoryTierOptions(...) carries the memory tier's options; do not also pass "

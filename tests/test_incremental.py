@@ -254,3 +254,8 @@ def test_a_smaller_block_writes_fewer_bytes_for_scattered_rows_and_a_new_size_st
     assert rep["incremental"]["chain"] == 0 and rep["incremental"]["referenced_bytes"] == 0
     with pytest.raises(ValueError, match="block_bytes"):
         omnickpt.CheckpointManager(str(tmp_path / "m"), incremental=True, block_bytes=0)
+
+
+def test_the_memory_tier_refuses_incremental_by_name(tmp_path):
+    with pytest.raises(UnsupportedError, match="memory tier"):
+        omnickpt.CheckpointManager(str(tmp_path), memory="shm://inc-refused", incremental=True)
