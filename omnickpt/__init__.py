@@ -14,10 +14,12 @@ from omnickpt.tiered import MemoryTierOptions, TieredCheckpointManager  # noqa: 
 from omnickpt.reader import CheckpointReader, open_checkpoint as open  # noqa: E402,A001,F401
 from omnickpt.spec import ShardSpec  # noqa: E402
 from omnickpt.storage.shm import clear_memory, memory_usage  # noqa: E402
+from omnickpt.cli.verify import verify  # noqa: E402  (the CLI's `omnickpt verify PATH`, as a function)
 
 __all__ = [
     "CheckpointError", "CheckpointLockedError", "CheckpointManager", "CheckpointReader", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
     "DataParallelStateful", "LoadResult", "MemoryTierOptions", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
     "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError", "TieredCheckpointManager",
     "UnsafeCheckpointError", "clear_memory", "memory_usage", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
+    "verify",
 ]
