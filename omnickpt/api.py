@@ -171,6 +171,8 @@ class Checkpointer:
         self._plans: dict[int, dict[tuple, tuple]] = {}
         self._comms: dict[int, Comm] = {}
         self._inflight: dict[str, SaveHandle] = {}
+        # The last checkpoint committed per process group: the default base of an incremental save.
+        self._committed: dict[int, str] = {}
         self.timeout = timeout
         # This job's id in the owner records of the paths it saves to (the coordinator's counts).
         self._job = f"omnickpt-{uuid.uuid4().hex[:12]}"
@@ -254,6 +256,11 @@ class Checkpointer:
         storage = storage_for(path)
         timer = PhaseTimer()
         _reset_peak_rss(timer)
+
+        def on_commit(manifest, _then=on_commit, _group=id(comm)):   # coordinator, after the commit
+            self._committed[_group] = path
+            if _then is not None:
+                _then(manifest)
         prev = self._inflight.get(storage.describe())
         if prev is not None and not prev.done():
             raise CheckpointError(f"a save to {path} is still in progress; wait() for it before saving there again")
@@ -263,7 +270,8 @@ class Checkpointer:
             collected = _collect(state, comm, timer, allow_pickle, check_replicas, role, metadata)
             if incremental and comm.is_coordinator:
                 with timer.phase("plan"):
-                    chain = _chain_base(path, base, full_every, block_bytes or BLOCK_BYTES)
+                    chain = _chain_base(path, base, full_every, block_bytes or BLOCK_BYTES,
+                                        self._committed.get(id(comm)))
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
@@ -776,13 +784,17 @@ def _folder_parts(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES
-                ) -> tuple[bytes | None, str | None, int, int]:
+def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES,
+                previous: str | None = None) -> tuple[bytes | None, str | None, int, int]:
     """Coordinator of an incremental save: (the base's manifest, the base's folder name (None: the
     checkpoint at `path` itself), this save's place in the chain: 0 for a full save, the block
-    size). A full save when there is no base yet, the base holds no block hashes (an ordinary save)
-    or hashes of another block size, or the chain has reached full_every; a base given but absent
-    or damaged is an error (nothing is written)."""
+    size). Without `base`: the checkpoint at `path` if there is one, else `previous` (the last one
+    this Checkpointer committed) if it lies next to `path`. A full save when there is no base yet,
+    the base holds no block hashes (an ordinary save) or hashes of another block size, or the chain
+    has reached full_every; a base given but absent or damaged is an error (nothing is written)."""
+    if base is None and previous is not None and previous != path and not storage_for(path).exists(MANIFEST_NAME):
+        if _folder_parts(previous)[0] == _folder_parts(path)[0] and storage_for(previous).exists(MANIFEST_NAME):
+            base = previous
     where = path if base is None else str(base)
     name = None
     if base is not None:
@@ -1033,7 +1045,8 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     background persist (docs/format.md); loads, verify and the readers decompress transparently.
     incremental=True writes only the blocks (rows, ~64 KiB each) whose content changed since
     `base` (a checkpoint folder next to `path`; default: the checkpoint at `path` itself, which
-    is then replaced) and references the base's bytes for the others; a full save when there is
+    is then replaced, else the last checkpoint this process committed next to `path`) and
+    references the base's bytes for the others; a full save when there is
     no base with block hashes yet, or every `full_every` saves. `block_bytes` (default 64 KiB) sets
     the block: smaller blocks write fewer bytes where scattered rows change, but cut the checkpoint
     into more boxes (runs of rows), each costing the load a little. Loading is unchanged; retention of

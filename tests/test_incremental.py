@@ -259,3 +259,18 @@ def test_a_smaller_block_writes_fewer_bytes_for_scattered_rows_and_a_new_size_st
 def test_the_memory_tier_refuses_incremental_by_name(tmp_path):
     with pytest.raises(UnsupportedError, match="memory tier"):
         omnickpt.CheckpointManager(str(tmp_path), memory="shm://inc-refused", incremental=True)
+
+
+def test_without_a_base_an_incremental_save_compares_with_the_last_one_committed_next_to_it(tmp_path):
+    model = _model()
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.save(str(tmp_path / "s1"), {"model": model}, incremental=True)
+        _touch(model, [3])
+        rep = ckpt.save(str(tmp_path / "s2"), {"model": model}, incremental=True).wait()
+        assert rep["incremental"]["base"] == "s1" and rep["incremental"]["chain"] == 1
+        # not next to it: a full save
+        rep = ckpt.save(str(tmp_path / "elsewhere" / "s3"), {"model": model}, incremental=True).wait()
+        assert rep["incremental"]["chain"] == 0
+    back = _model(seed=5)
+    omnickpt.load(str(tmp_path / "s2"), {"model": back})
+    assert _same(back, model)
