@@ -274,3 +274,18 @@ def test_without_a_base_an_incremental_save_compares_with_the_last_one_committed
     back = _model(seed=5)
     omnickpt.load(str(tmp_path / "s2"), {"model": back})
     assert _same(back, model)
+
+
+def test_an_incremental_checkpoint_converts_to_dcp_and_hugging_face(tmp_path):
+    from omnickpt.cli import main as cli
+    model = _model()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    omnickpt.save(a, {"model": model}, incremental=True)
+    _touch(model, [2000])
+    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    for to in ("dcp", "hf"):
+        out = str(tmp_path / f"out-{to}")
+        assert cli(["convert", b, out, "--to", to] + (["--key", "model"] if to == "hf" else [])) == 0
+        back = _model(seed=6)
+        omnickpt.load(out, {"model": back})
+        assert _same(back, model), to

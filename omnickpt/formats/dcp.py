@@ -1078,6 +1078,7 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     from omnickpt.monitor import PhaseTimer
     from omnickpt.planner import plan_reads
     from omnickpt.storage import storage_for
+    from omnickpt.storage.linked import with_siblings
 
     t0 = time.perf_counter()
     out_dir = local_dir(str(dst))
@@ -1085,6 +1086,7 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     if os.path.isdir(out_dir) and os.path.realpath(out_dir) == os.path.realpath(storage.root):
         raise UnsupportedError(f"export destination {dst} is the source checkpoint itself; pass another folder")
     manifest = read_any(storage)
+    storage = with_siblings(storage, str(src), manifest.files)   # an incremental checkpoint's referenced files
     objects = read_objects(storage, manifest, list(manifest.objects), 0, allow_pickle=allow_pickle, timer=PhaseTimer())
     leaves: list[tuple[tuple, Any]] = []
     _traverse(_export_state(manifest, objects), leaves.append)

@@ -311,6 +311,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     # holding none (imported here: api imports the readers of this package).
     from omnickpt.formats import read_manifest as read_any
     from omnickpt.storage import storage_for
+    from omnickpt.storage.linked import with_siblings
 
     t0 = time.perf_counter()
     if dtype is not None and not dtype.is_floating_point:
@@ -322,6 +323,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     if os.path.isdir(out_dir) and os.path.realpath(out_dir) == os.path.realpath(storage.root):
         raise UnsupportedError(f"export destination {dst} is the source checkpoint itself; pass another folder")
     manifest = read_any(storage)
+    storage = with_siblings(storage, str(src), manifest.files)   # an incremental checkpoint's referenced files
     for transform in transforms:
         manifest = transform.apply(manifest)
     key = _module_key(manifest, key, storage.describe())
