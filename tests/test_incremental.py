@@ -289,3 +289,22 @@ def test_an_incremental_checkpoint_converts_to_dcp_and_hugging_face(tmp_path):
         back = _model(seed=6)
         omnickpt.load(out, {"model": back})
         assert _same(back, model), to
+
+
+def test_convert_makes_a_self_contained_copy_of_an_incremental_checkpoint(tmp_path):
+    import shutil
+
+    from omnickpt.cli import main as cli
+    model = _model()
+    a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "copy")
+    omnickpt.save(a, {"model": model}, incremental=True)
+    _touch(model, [1234])
+    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    assert cli(["convert", b, c, "--to", "omnickpt"]) == 0
+    shutil.rmtree(a)
+    with pytest.raises(omnickpt.CheckpointError):
+        omnickpt.load(b, {"model": _model(seed=7)})       # its base is gone
+    back = _model(seed=7)
+    omnickpt.load(c, {"model": back})
+    assert _same(back, model)
+    assert not any(f.path.startswith("../") for f in _manifest(c).files)
