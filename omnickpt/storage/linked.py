@@ -13,7 +13,7 @@ import posixpath
 import threading
 from typing import Iterable, Sequence
 
-from omnickpt.errors import UnsafeCheckpointError
+from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from omnickpt.storage.base import Storage
 
 _UP = "../"
@@ -121,9 +121,24 @@ class LinkedStorage:
         return self.sibling(found[0]), found[1]
 
     # ------------------------------------------------------------------ reads
+    def _missing(self, rel: str, error: BaseException) -> BaseException:
+        """A referenced file that is gone: say whose it is and what to do (the sibling's storage only
+        knows that one of its files is missing)."""
+        found = _split(rel)
+        if found is None or not isinstance(error, (FileNotFoundError, CorruptCheckpointError)):
+            return error
+        return CorruptCheckpointError(
+            f"{error} (it belongs to checkpoint {found[0]!r} next to {self._path}, whose unchanged blocks this "
+            f"incremental checkpoint references: restore that folder, or load an earlier full checkpoint)")
+
     def read_into(self, rel: str, offset: int, buffers: Sequence[memoryview]) -> None:
         st, r = self._route(rel)
-        st.read_into(r, offset, buffers)
+        try:
+            st.read_into(r, offset, buffers)
+        except (FileNotFoundError, CorruptCheckpointError) as e:
+            if st is self._storage or "missing" not in str(e) and not isinstance(e, FileNotFoundError):
+                raise
+            raise self._missing(rel, e) from None
 
     def read_bytes(self, rel: str) -> bytes:
         st, r = self._route(rel)
@@ -135,7 +150,12 @@ class LinkedStorage:
 
     def size(self, rel: str) -> int:
         st, r = self._route(rel)
-        return st.size(r)
+        try:
+            return st.size(r)
+        except (FileNotFoundError, CorruptCheckpointError) as e:
+            if st is self._storage:
+                raise
+            raise self._missing(rel, e) from None
 
     def describe(self, rel: str = "") -> str:
         """Never raises (it builds error messages): a path it cannot route is described as written."""
