@@ -53,6 +53,7 @@ class CadenceReport:
     interference_s: float | None
     overhead: float | None          # measured: (stall + interference) / (interval * step)
     max_overhead: float | None
+    steps_in_flight: float | None = None   # steps that ran while a save was in flight, per save (median)
 
 
 class Cadence:
@@ -162,4 +163,6 @@ class Cadence:
         return CadenceReport(mode=str(self.every) if not isinstance(self.every, int) else "fixed", interval=interval,
                              step_s=step, stall_s=stall, background_s=background, interference_s=interference,
                              overhead=overhead,
-                             max_overhead=self.max_overhead if self.every == "auto" else None)
+                             max_overhead=self.max_overhead if self.every == "auto" else None,
+                             steps_in_flight=(statistics.median(self._in_flight_steps) if self._in_flight_steps
+                                              else None))

@@ -263,10 +263,12 @@ class CheckpointManager:
         """Every rank, at each save() call with every=: measure, then decide alike on every rank."""
         cadence, now, in_flight = self._cadence, time.monotonic(), self._in_flight()
         cadence.observe_call(step, now, self._busy)
-        self._busy = in_flight
-        if in_flight:
+        if self._busy and self._started is not None:
+            # the step that just ended ran with the save in flight (counted even when the save became
+            # durable during it: a save durable within one step still slowed that step)
             self._flight_calls += 1
-        elif self._started is not None:   # the save in flight became durable since the last call
+        self._busy = in_flight
+        if not in_flight and self._started is not None:   # the save in flight became durable since the last call
             self._observe_durable(now)
         if cadence.every == "continuous":
             # each rank sees the previous save become durable at its own moment
