@@ -10,8 +10,9 @@ measured on the job itself, from the times at which the manager's save() is call
     overhead(k) = (stall + interference) / (k * step)          for a save every k steps
 
 and "auto" picks the smallest k with overhead(k) <= max_overhead, and never one so small that a save
-would start before the previous one is durable (k * step > background: at least one step runs with
-no save in flight, which is what the slowdown is measured against), capped by max_interval.
+would start before the previous one is durable and a step has run with none in flight
+(k >= ceil(background / step) + 1: that quiet step is what the slowdown is measured against),
+capped by max_interval.
 
 `choose_interval` is the pure rule; `Cadence` keeps the measurements (medians of the recent ones,
 so one slow step or save does not swing the interval) and answers `due(step)`. Nothing here
@@ -31,15 +32,18 @@ _WINDOW = 16   # recent measurements kept for each median
 def choose_interval(step_s: float, stall_s: float, background_s: float, interference_s: float = 0.0, *,
                     max_overhead: float, max_interval: int, min_interval: int = 1) -> int:
     """Steps between two saves (pure): the smallest k >= min_interval with
-    (stall + interference) / (k * step) <= max_overhead and k * step > background, at most
-    max_interval. With no measured step time yet, min_interval."""
+    (stall + interference) / (k * step) <= max_overhead and k >= ceil(background / step) + 1 (the
+    previous save durable and one step run without a save in flight; 1 when saves have no
+    background part), at most max_interval. With no measured step time yet, min_interval."""
     if not step_s > 0:
         return min_interval
     cost = max(stall_s, 0.0) + max(interference_s, 0.0)
     k_cost = math.ceil(cost / (max_overhead * step_s) - 1e-9) if cost > 0 else 1
-    # strictly longer than a save's flight: the previous save is durable before the next starts, and
-    # at least one step runs with none in flight, which is what the interference is measured against
-    k_flight = math.floor(max(background_s, 0.0) / step_s + 1e-9) + 1
+    # Longer than a save's flight by a whole step: the flight overlaps the next ceil(background / step)
+    # steps (all slowed by it, counted as in flight), and at least one step after them runs with no
+    # save in flight, which is what the interference is measured against (with one step fewer, a
+    # save durable within a step made every step "in flight" and the interference unmeasurable).
+    k_flight = math.ceil(background_s / step_s - 1e-9) + 1 if background_s > 0 else 1
     return max(min_interval, min(max_interval, max(k_cost, k_flight, 1)))
 
 

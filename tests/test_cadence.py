@@ -11,19 +11,21 @@ from omnickpt.cadence import Cadence, choose_interval
 
 @pytest.mark.parametrize("step,stall,background,interference,target", [
     (0.5, 0.2, 1.0, 0.0, 0.02),     # cost-bound: 0.2 / (0.02 * 0.5) = 20 steps
-    (0.5, 0.01, 3.2, 0.0, 0.02),    # flight-bound: the save is in flight for 6.4 steps -> 7
+    (0.5, 0.01, 3.2, 0.0, 0.02),    # flight-bound: in flight during 7 steps (6.4) -> 8: one step without
     (0.5, 0.01, 3.0, 0.0, 0.02),    # in flight for exactly 6 steps -> 7: one step without a save in flight
+    (1.0, 0.001, 0.4, 0.0, 0.02),   # durable within one step -> 2, never every step
     (0.1, 0.05, 0.0, 0.05, 0.035),  # stall + interference: 0.1 / (0.035 * 0.1) = 28.57 -> 29
     (1.0, 0.0, 0.0, 0.0, 0.02),     # free saves: every step
 ])
 def test_the_interval_is_the_smallest_that_keeps_the_overhead_under_the_target(step, stall, background,
                                                                               interference, target):
     k = choose_interval(step, stall, background, interference, max_overhead=target, max_interval=10_000)
-    want = max(1, math.ceil((stall + interference) / (target * step) - 1e-9), math.floor(background / step + 1e-9) + 1)
+    k_flight = math.ceil(background / step - 1e-9) + 1 if background > 0 else 1
+    want = max(1, math.ceil((stall + interference) / (target * step) - 1e-9), k_flight)
     assert k == want
     assert (stall + interference) / (k * step) <= target + 1e-12
-    assert k * step > background
-    if k > 1 and (stall + interference) > 0 and k * step > background + step:
+    assert k * step > background and (background == 0 or (k - 1) * step >= background - 1e-9)
+    if k > k_flight and (stall + interference) > 0:
         assert (stall + interference) / ((k - 1) * step) > target     # and no smaller one would do
 
 
