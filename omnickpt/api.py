@@ -43,7 +43,7 @@ from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, plan_r
 from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.planner.match import LoadMatch, Selection, match_targets
 from omnickpt.storage import Storage, storage_for
-from omnickpt.storage.linked import with_siblings
+from omnickpt.storage.linked import sibling_path, with_siblings
 
 REPORT_NAME = "report.json"
 log = logging.getLogger("omnickpt")
@@ -302,13 +302,13 @@ class Checkpointer:
         if not snap.blocking:
             timer.add("stall", time.perf_counter() - t_start)
 
-        shards = [collected.shards[w.index] for w in writes]
+        # Only a save that encodes its chunks needs each write's tensor (not on every save's way out).
+        shards = [collected.shards[w.index] for w in writes] if compression or quantize_optimizer else []
         codecs = _quantized_writes(state, shards, quantize_optimizer)
         job = functools.partial(self._persist_and_commit, storage, snap, comm, plan, save_id, collected.layout,
                                 durable, timer, t_start, on_commit, async_save,
                                 compression=compression or ("none" if quantize_optimizer else None),
-                                itemsizes=[s.local.element_size() for s in shards]
-                                if compression or quantize_optimizer else (),
+                                itemsizes=[s.local.element_size() for s in shards],
                                 codecs=codecs, dtypes=[dtype_name(s.dtype) for s in shards] if codecs else (),
                                 incremental=_incremental_job(gathered[0][5], collected, writes) if incremental
                                 else None)
@@ -776,12 +776,17 @@ def _quantized_writes(state: dict, shards: list, scheme: str | None) -> list[str
     return out
 
 
-def _folder_parts(path: str) -> tuple[str, str]:
-    """(parent, name) of a checkpoint path or URL."""
-    if "://" not in path:
-        path = os.path.abspath(path)
-    parent, _, name = path.rstrip("/").rpartition("/")
-    return parent, name
+def _next_to(path: str, other: str) -> str | None:
+    """The folder name of checkpoint `other` if it lies next to `path` (the storage layer's
+    sibling_path of its name is the same location), "" if it is `path` itself, else None."""
+    where = storage_for(other).describe()
+    if where == storage_for(path).describe():
+        return ""
+    name = str(other).rstrip("/").rpartition("/")[2]
+    try:
+        return name if storage_for(sibling_path(path, name)).describe() == where else None
+    except ValueError:   # no parent folder to go up from, or not a folder name
+        return None
 
 
 def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES,
@@ -792,18 +797,17 @@ def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes
     this Checkpointer committed) if it lies next to `path`. A full save when there is no base yet,
     the base holds no block hashes (an ordinary save) or hashes of another block size, or the chain
     has reached full_every; a base given but absent or damaged is an error (nothing is written)."""
-    if base is None and previous is not None and previous != path and not storage_for(path).exists(MANIFEST_NAME):
-        if _folder_parts(previous)[0] == _folder_parts(path)[0] and storage_for(previous).exists(MANIFEST_NAME):
+    if base is None and previous is not None and not storage_for(path).exists(MANIFEST_NAME):
+        if _next_to(path, previous) and storage_for(previous).exists(MANIFEST_NAME):
             base = previous
     where = path if base is None else str(base)
     name = None
     if base is not None:
-        (parent, name), (own_parent, own) = _folder_parts(where), _folder_parts(path)
-        if name == own and parent == own_parent:
-            name = None
-        elif parent != own_parent:
+        found = _next_to(path, where)
+        if found is None:
             raise ValueError(f"base={base!r}: an incremental checkpoint references data of a checkpoint folder next "
                              f"to it; {path} and {base} are not in the same folder")
+        name = found or None   # "": the checkpoint this save replaces
     store = storage_for(where)
     if not store.exists(MANIFEST_NAME):
         if base is not None and name is not None:
@@ -828,10 +832,10 @@ def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[
     """This rank's part of an incremental save, made in the background persist (the base's
     manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
     data, name, depth, block_bytes = chain
-    metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
-                       s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
 
     def make() -> tuple:
+        metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
+                           s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
         base = None
         if data is not None:
             manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})

@@ -114,6 +114,16 @@ def apply_layout(model: nn.Module, layout: str, mesh=None, group=None) -> nn.Mod
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
 
+# ---- damage, for the tests that check it is caught --------------------------------------------------
+def flip_byte(file, offset: int, mask: int = 0x55) -> None:
+    """XOR one byte of `file` in place (twice: repaired)."""
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 # ---- shared by the storage-backend tests (test_s3.py, test_fsspec.py) ----------------------------
 def stepped(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """One optimizer step with gradients that are a function of the parameters: every rank and

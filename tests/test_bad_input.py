@@ -23,6 +23,7 @@ import omnickpt
 from omnickpt import (CheckpointError, CheckpointManager, CorruptCheckpointError, MismatchError, NotCommittedError,
                       UnsafeCheckpointError, UnsupportedError)
 from omnickpt.cli import main as cli
+from models import flip_byte
 
 
 def _model(seed: int) -> nn.Module:
@@ -50,13 +51,6 @@ def _box_location(path, tensor: str) -> tuple[str, int, int]:
     _, _, fi, off, nbytes, _ = doc["tensors"][tensor]["boxes"][0]
     return os.path.join(path, doc["files"][fi]["path"]), off, nbytes
 
-
-def _flip_byte(file: str, offset: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def _save_one(path, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -119,7 +113,7 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     _save_one(ckpt)
     file, off, nbytes = _box_location(ckpt, "model/2.weight")
-    _flip_byte(file, off + nbytes // 2)
+    flip_byte(file, off + nbytes // 2)
     target = _model(7)
     with pytest.raises(CorruptCheckpointError) as info:
         omnickpt.load(str(ckpt), {"model": target, "extra": {}})
@@ -139,7 +133,7 @@ def test_a_flipped_byte_in_an_object_names_the_file_and_the_object(tmp_path, cap
     doc = _manifest(ckpt)
     entry = doc["objects"]["extra"][0]
     file = os.path.join(ckpt, doc["files"][entry["file"]]["path"])
-    _flip_byte(file, entry["offset"])
+    flip_byte(file, entry["offset"])
     with pytest.raises(CorruptCheckpointError) as info:
         omnickpt.load(str(ckpt), {"model": _model(7), "extra": {}})
     assert file in str(info.value) and "'extra'" in str(info.value)
@@ -430,12 +424,12 @@ def _two_rank_bad_inputs(rank: int, world: int, root: str) -> dict:
     file, off, _ = _box_location(ckpt, victim)
     out["victim"], out["victim_file"] = victim, file
     if rank == 0:
-        _flip_byte(file, off)
+        flip_byte(file, off)
     dist.barrier()
     attempt("corrupt", lambda: load_matches(1))
     dist.barrier()
     if rank == 0:
-        _flip_byte(file, off)            # repaired
+        flip_byte(file, off)            # repaired
     dist.barrier()
 
     # rank 1's target differs in shape: both ranks fail before reading

@@ -13,6 +13,7 @@ from torch import nn
 import omnickpt
 from omnickpt.cli import main as cli
 from omnickpt.cli.verify import verify
+from models import flip_byte
 
 
 def _state(seed: int = 0) -> dict:
@@ -37,13 +38,6 @@ def _run(argv, capsys) -> tuple[int, str, str]:
     out = capsys.readouterr()
     return rc, out.out, out.err
 
-
-def _flip_byte(file, offset: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x55]))
 
 
 # ----------------------------------------------------------------------------------------- inspect
@@ -111,9 +105,9 @@ def test_verify_finds_exactly_the_damaged_box_or_object_whatever_the_chunking(ck
         assert verify(str(path), workers=3, chunk_bytes=chunk, task_bytes=task).ok
         for what, offset, nbytes in targets:
             for pos in {offset, offset + nbytes - 1}:
-                _flip_byte(file, pos)
+                flip_byte(file, pos)
                 report = verify(str(path), workers=3, chunk_bytes=chunk, task_bytes=task)
-                _flip_byte(file, pos)
+                flip_byte(file, pos)
                 assert [p.what.split(" box")[0].split(" (ranks")[0] for p in report.problems] == [what], \
                     (chunk, task, what, pos, report.problems)
                 assert report.problems[0].where == str(file)
@@ -168,7 +162,7 @@ def test_python_dash_m_and_the_console_script(ckpt):
     if not os.path.exists(script):
         pytest.skip("the omnickpt console script is not installed in this environment")
     (name,) = os.listdir(path / "data")
-    _flip_byte(path / "data" / name, 0)
+    flip_byte(path / "data" / name, 0)
     out = subprocess.run([script, "verify", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "'model/0.weight'" in out.stdout, out
 
@@ -211,7 +205,7 @@ def test_two_rank_checkpoint(tmp_path, capsys):
     manifest = omnickpt.read_manifest(omnickpt.api.storage_for(str(path)))
     box = next(b for b in manifest.tensors["sharded"].boxes if manifest.files[b.file].rank == 1)
     file = path / manifest.files[box.file].path
-    _flip_byte(file, box.offset + 3)
+    flip_byte(file, box.offset + 3)
     rc, out, _ = _run(["verify", path], capsys)
     assert rc == 1 and out.splitlines() == [
         f"{file}: tensor 'sharded' box offsets=[3, 0] lengths=[3, 4]: checksum mismatch "

@@ -15,7 +15,7 @@ from omnickpt.format import MANIFEST_NAME, Manifest
 from omnickpt.format.codec import CODECS
 
 from dist import run_ranks
-from models import full_values, toy
+from models import flip_byte, full_values, toy
 
 MiB = 1 << 20
 
@@ -29,13 +29,6 @@ def _data_bytes(path) -> int:
     d = os.path.join(path, "data")
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
 
-
-def _flip_byte(file, offset: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x55]))
 
 
 def _values() -> dict[str, torch.Tensor]:
@@ -104,7 +97,7 @@ def test_a_corrupt_byte_in_a_compressed_chunk_names_file_and_tensor(tmp_path):
     a, b = box.sums.file_chunk(1)
     assert b - a < MiB   # really compressed
     data_file = os.path.join(path, m.files[box.file].path)
-    _flip_byte(data_file, (a + b) // 2)
+    flip_byte(data_file, (a + b) // 2)
     out = {k: torch.zeros_like(v) for k, v in values.items()}
     with pytest.raises(CorruptCheckpointError, match=rf"{m.files[box.file].path}.*at bytes \[{a}, {b}\).*'t/fp32'"):
         omnickpt.load(path, {"t": _specs(out)})

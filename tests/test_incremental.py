@@ -16,6 +16,7 @@ from omnickpt.cli.verify import verify
 from omnickpt.engine.incremental import Base, WriteMeta, block_hashes, plan_pieces, rows_per_block
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.format import Manifest
+from models import flip_byte
 
 ROWS, DIM = 4096, 64     # a 1 MiB fp32 embedding table: 256 B rows, 256 rows per 64 KiB block
 
@@ -37,6 +38,16 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 def _manifest(path) -> Manifest:
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         return Manifest.decode(f.read())
+
+
+def _pair(tmp_path, rows) -> tuple[nn.ModuleDict, str, str]:
+    """A full incremental save to a/, `rows` of the table changed, an incremental save to b/ against a/."""
+    model = _model()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    omnickpt.save(a, {"model": model}, incremental=True)
+    _touch(model, rows)
+    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    return model, a, b
 
 
 def test_only_changed_blocks_are_written_and_the_first_checkpoint_can_be_retired(tmp_path):
@@ -64,31 +75,21 @@ def test_only_changed_blocks_are_written_and_the_first_checkpoint_can_be_retired
 
 def test_inspect_says_what_an_incremental_checkpoint_references(tmp_path, capsys):
     from omnickpt.cli import main as cli
-    model = _model()
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    omnickpt.save(a, {"model": model}, incremental=True)
-    _touch(model, [9])
-    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    model, a, b = _pair(tmp_path, [9])
     assert cli(["inspect", b]) == 0
     out = capsys.readouterr().out
     assert "incremental (chain 1, compared with a)" in out and "../a/data/" in out
 
 
 def test_corruption_of_a_referenced_block_is_caught_by_verify_and_load(tmp_path):
-    model = _model()
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    omnickpt.save(a, {"model": model}, incremental=True)
-    _touch(model, [0])
-    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    model, a, b = _pair(tmp_path, [0])
     m = _manifest(b)
     emb = m.tensors["model/emb.weight"]
     referenced = [box for box in emb.boxes if m.files[box.file].path.startswith("../a/")]
     assert referenced, [m.files[box.file].path for box in emb.boxes]
     box = referenced[-1]
     data = glob.glob(os.path.join(a, "data", "*.bin"))[0]
-    raw = bytearray(open(data, "rb").read())
-    raw[box.offset + box.nbytes // 2] ^= 0x40
-    open(data, "wb").write(raw)
+    flip_byte(data, box.offset + box.nbytes // 2, 0x40)
     report = verify(b)
     assert not report.ok and any("checksum" in p.message and "a/data" in p.where for p in report.problems)
     with pytest.raises(CorruptCheckpointError, match="a/data"):
@@ -149,11 +150,7 @@ def test_an_ordinary_checkpoint_as_base_gives_a_full_save_and_bad_options_are_re
 
 
 def test_a_manifest_naming_a_base_outside_its_root_is_refused(tmp_path):
-    model = _model()
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    omnickpt.save(a, {"model": model}, incremental=True)
-    _touch(model, [1])
-    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    model, a, b = _pair(tmp_path, [1])
     m = _manifest(b)
     m.files = [type(f)(f.path.replace("../a/", "../../etc/"), f.rank, f.bytes) if f.path.startswith("../") else f
                for f in m.files]
@@ -278,11 +275,7 @@ def test_without_a_base_an_incremental_save_compares_with_the_last_one_committed
 
 def test_an_incremental_checkpoint_converts_to_dcp_and_hugging_face(tmp_path):
     from omnickpt.cli import main as cli
-    model = _model()
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    omnickpt.save(a, {"model": model}, incremental=True)
-    _touch(model, [2000])
-    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    model, a, b = _pair(tmp_path, [2000])
     for to in ("dcp", "hf"):
         out = str(tmp_path / f"out-{to}")
         assert cli(["convert", b, out, "--to", to] + (["--key", "model"] if to == "hf" else [])) == 0
@@ -295,11 +288,8 @@ def test_convert_makes_a_self_contained_copy_of_an_incremental_checkpoint(tmp_pa
     import shutil
 
     from omnickpt.cli import main as cli
-    model = _model()
-    a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "copy")
-    omnickpt.save(a, {"model": model}, incremental=True)
-    _touch(model, [1234])
-    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    model, a, b = _pair(tmp_path, [1234])
+    c = str(tmp_path / "copy")
     assert cli(["convert", b, c, "--to", "omnickpt"]) == 0
     shutil.rmtree(a)
     with pytest.raises(CorruptCheckpointError, match="checkpoint 'a' next to .* references"):

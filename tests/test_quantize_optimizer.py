@@ -13,6 +13,7 @@ from torch import nn
 import omnickpt
 from omnickpt.cli.verify import verify
 from omnickpt.errors import CorruptCheckpointError, UnsupportedError
+from models import flip_byte
 
 
 def _trained(seed: int = 0):
@@ -91,9 +92,7 @@ def test_a_damaged_quantized_chunk_is_caught(tmp_path):
     with omnickpt.open(path) as r:
         box = r.manifest.tensors["optim/state/0.weight/exp_avg_sq"].boxes[0]
     data = glob.glob(os.path.join(path, "data", "*.bin"))[0]
-    raw = bytearray(open(data, "rb").read())
-    raw[box.offset + 100] ^= 0x01
-    open(data, "wb").write(raw)
+    flip_byte(data, box.offset + 100, 0x01)
     assert not verify(path).ok
     m2, o2 = _fresh()
     with pytest.raises(CorruptCheckpointError, match="checksum"):

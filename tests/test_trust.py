@@ -20,6 +20,7 @@ import omnickpt
 from omnickpt import CheckpointError, CorruptCheckpointError, NotCommittedError, PlanError
 from omnickpt.cli.verify import verify
 from omnickpt.format import CHUNK_BYTES, FORMAT_VERSION, checksum, manifest_document
+from models import flip_byte
 
 
 def _manifest(path) -> dict:
@@ -33,11 +34,7 @@ def _write_manifest(path, doc) -> None:
 
 
 def _flip(path, file_rel: str, offset: int) -> None:
-    with open(os.path.join(path, file_rel), "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(os.path.join(path, file_rel), offset, 0x40)
 
 
 def _big(seed: int) -> nn.Module:
