@@ -21,7 +21,8 @@ from omnickpt.reader import open_checkpoint, slab_boxes
 MiB = 1 << 20
 
 
-from test_cli import _flip_byte, _run  # noqa: E402  (one copy of the CLI-driving helpers)
+from models import flip_byte  # noqa: E402
+from test_cli import _run  # noqa: E402  (one copy of the CLI-driving helpers)
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -74,7 +75,7 @@ def test_get_of_a_box_reads_only_the_chunks_it_needs_and_a_corrupt_chunk_elsewhe
         assert ckpt.bytes_read == MiB + MiB            # rows 1800..2000 lie in the eighth chunk
     manifest = omnickpt.read_manifest(omnickpt.api.storage_for(str(path)))
     (box,) = manifest.tensors[name].boxes
-    _flip_byte(path / manifest.files[box.file].path, box.offset + 7 * MiB + 5)   # inside the last chunk
+    flip_byte(path / manifest.files[box.file].path, box.offset + 7 * MiB + 5)   # inside the last chunk
     with open_checkpoint(str(path)) as ckpt:
         assert torch.equal(ckpt.get(name, (slice(256, 300), slice(None))), big[256:300])   # chunk 2: intact
         with pytest.raises(CorruptCheckpointError, match=r"at bytes \[7340032, 8388608\) for tensor 'w/big'"):
@@ -346,7 +347,7 @@ def test_convert_casts_selects_a_key_and_applies_transforms(ckpt, tmp_path):
 def test_a_failed_conversion_leaves_nothing_behind(ckpt, tmp_path):
     manifest = omnickpt.read_manifest(omnickpt.api.storage_for(str(ckpt)))
     (box,) = manifest.tensors["model/2.weight"].boxes
-    _flip_byte(ckpt / manifest.files[box.file].path, box.offset)
+    flip_byte(ckpt / manifest.files[box.file].path, box.offset)
     dst = tmp_path / "copy"
     with pytest.raises(CorruptCheckpointError, match="model/2.weight"):
         convert(str(ckpt), str(dst), to="omnickpt", max_shard_size=2048, progress=False)
