@@ -11,12 +11,28 @@ the whole checkpoint. The public save path cannot do that: `save()` snapshots th
 before it writes anything. So this writer uses the format layer directly (chunk checksums,
 manifest written last and atomically), and its output is a checkpoint like any other: `omnickpt
 verify` checks it, `load()` reshards it.
+
+What a conversion must not do silently (issue 17):
+- write inside its source (or the source inside it): the source's next save or retention deletes
+  files its manifest does not name, and a folder inside a source is read as part of it;
+- drop the record that a tensor is lossy: a tensor the source stored quantized (save(quantize_optimizer=))
+  keeps its `codec` / `max_error` record in the new manifest, its values stored raw (a quantized
+  tensor whose chunks are all raw is valid format), so load reports, inspect and diff still say so;
+  a target format with no such record (hf, dcp) gets it in the summary ("lossy");
+- lose values to a dtype cast: a cast that turns finite values into inf or non-zero values into 0
+  is refused unless allow_lossy_cast=True, and then counted per tensor in the summary and in the
+  new manifest's layout["converted_from"]["lossy_casts"] (format/cast.py).
 """
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
+import math
+import os
+import posixpath
 import re
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +44,11 @@ import torch
 from omnickpt.engine.save import tensor_bytes_view
 from omnickpt.format import DATA_DIR
 from omnickpt.errors import CheckpointError, UnsupportedError
-from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, TensorEntry
+from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, Sums, TensorEntry
 from omnickpt.format import checksum, dtype_from_name, dtype_name
+from omnickpt.format.cast import CastLosses
+from omnickpt.format.quant import QUANT_DTYPES, SCHEMES
+from omnickpt.formats import read_manifest
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
 from omnickpt.planner.save_plan import ALIGN
@@ -99,32 +118,52 @@ def parse_transform(text: str):
 # ---------------------------------------------------------------------- entry point
 def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch.dtype | str | None = None,
             max_shard_size: int | str | None = None, transforms: Sequence[Any] = (), progress: bool = True,
-            workers: int = 4) -> dict:
+            workers: int = 4, allow_lossy_cast: bool = False) -> dict:
     """Write the checkpoint at `src` (any format omnickpt reads) as a new checkpoint at `dst` in
     format `to`: "hf" (a Hugging Face safetensors folder), "dcp" (PyTorch DCP) or "omnickpt".
 
-    `dst` must not exist or be an empty directory: a conversion never overwrites anything.
+    `dst` must not exist or be an empty directory: a conversion never overwrites anything; nor may it
+    lie inside `src` or a folder `src` references, or hold `src` (CheckpointError naming both).
     `key` keeps only one state key's tensors (and its objects: with to="omnickpt"), e.g. "model";
     `dtype` casts floating-point tensors; `max_shard_size` (bytes or "5GB", "500MB") caps each
     data file (to="hf": default 5 GB; to="omnickpt": default 1 GiB, and the memory held at once
     is about twice that, three times with a dtype cast); `transforms` (omnickpt.transforms)
-    rewrite names and fusing first. `progress` shows a progress bar on stderr.
+    rewrite names and fusing first. `progress` shows a progress bar on stderr. A cast that would
+    turn finite values into inf or non-zero values into 0 is refused (UnsupportedError naming the
+    tensor and the counts) unless `allow_lossy_cast`; then the summary's "lossy_casts" counts them.
 
-    Returns a summary dict (at least "to" and "path"). Raises UnsupportedError for an option the
-    target does not take or an exporter that is not available, CheckpointError when `dst` is not
-    empty, and what reading the source raises (NotCommittedError, CorruptCheckpointError, ...).
+    Returns a summary dict (at least "to" and "path"; "lossy": the tensors the source holds lossy,
+    quantized, with their scheme and largest error; "lossy_casts": {tensor: {"overflow", "flush"}}).
+    Raises UnsupportedError for an option the target does not take or an exporter that is not
+    available, CheckpointError when `dst` is not empty or overlaps `src`, and what reading the source
+    raises (NotCommittedError, CorruptCheckpointError, ...).
     """
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r}; use one of {', '.join(TARGETS)}")
+    refuse_nested(str(src), str(dst))
     _refuse_non_empty(storage_for(str(dst)), str(dst))
     cast = as_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
         raise ValueError(f"dtype {cast} is not a floating-point type; only floating-point tensors are cast")
     size = parse_size(max_shard_size) if max_shard_size is not None else None
+    lossy: dict[str, dict] = {}
+    if to != "omnickpt":   # to_omnickpt checks these with the manifest its reader holds
+        source = read_manifest(storage_for(str(src)))
+        _refuse_in_bases(str(src), str(dst), source)
+        lossy = dict(source.quantized)
     if to == "hf":
         export_hf = _exporter("omnickpt.formats.hf", "export_hf", "Hugging Face")
+        losses = CastLosses(allow_lossy_cast)
+        hooked = "losses" in inspect.signature(export_hf).parameters
+        if cast is not None and not hooked:
+            _check_hf_casts(str(src), key, cast, transforms, losses, workers)
         result = export_hf(str(src), str(dst), key=key, dtype=cast, max_shard_size=size or HF_SHARD_BYTES,
-                           transforms=tuple(transforms), workers=workers, progress=progress)
+                           transforms=tuple(transforms), workers=workers, progress=progress,
+                           **({"losses": losses} if hooked else {}))
+        prefix = f"{(result or {}).get('key', key)}/"
+        lossy = {n: r for n, r in lossy.items() if n.startswith(prefix)}
+        if losses.counts:
+            result = dict(result or {}, lossy_casts=losses.counts)
     elif to == "dcp":
         given = [n for n, v in (("key", key), ("dtype", cast), ("max_shard_size", size),
                                 ("transforms", tuple(transforms))) if v]
@@ -135,11 +174,29 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         result = export_dcp(str(src), str(dst), progress=progress)
     else:
         result = to_omnickpt(str(src), str(dst), key=key, dtype=cast, part_bytes=size or PART_BYTES,
-                             transforms=transforms, progress=progress, workers=workers)
+                             transforms=transforms, progress=progress, workers=workers,
+                             allow_lossy_cast=allow_lossy_cast)
     result = dict(result or {})
     result.setdefault("to", to)
     result.setdefault("path", str(dst))
+    if lossy:
+        # hf and dcp have nowhere to record it: the summary is the one place that still says so
+        result.setdefault("lossy", lossy)
     return result
+
+
+def _check_hf_casts(src: str, key: str | None, dtype: torch.dtype, transforms: Sequence[Any], losses: CastLosses,
+                    workers: int) -> None:
+    """Count (or refuse) what a cast of the exported tensors loses, before the export writes anything.
+    Only for an export_hf without the `losses=` hook (formats/hf.py casts each tensor it writes: with
+    the hook it counts there, in the one read it makes, and this second read goes away)."""
+    from omnickpt.formats import hf
+    with CheckpointReader(src, transforms=transforms, workers=workers) as reader:
+        key = key or hf._module_key(reader.manifest, None, reader.location)
+        for name in _selected(reader.names(), key):
+            info = reader.info(name)
+            if info.dtype.is_floating_point and info.dtype != dtype:
+                losses.cast(reader.get(name), dtype, name)
 
 
 def _exporter(module: str, name: str, what: str):
@@ -152,6 +209,55 @@ def _exporter(module: str, name: str, what: str):
     if found is None:
         raise UnsupportedError(f"converting to {what} needs {module}.{name}, which this omnickpt does not have yet")
     return found
+
+
+def location(path: str) -> tuple[str, ...]:
+    """A comparable form of a checkpoint's place: ("file", *components of its real path) for a local
+    path or file:// URL (symlinks and relative parts resolved: what the path names, not how it is
+    spelt), (scheme, *components) for other URLs (s3://bucket/prefix: ("s3", "bucket", *prefix);
+    fsspec+SCHEME:// as SCHEME://)."""
+    path = str(path)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    if "://" not in path:
+        real = os.path.realpath(os.path.expanduser(path))
+        return ("file",) + tuple(p for p in real.replace(os.sep, "/").split("/") if p)
+    scheme, _, rest = path.partition("://")
+    scheme = scheme.lower().removeprefix("fsspec+")
+    if scheme in ("file", "local"):
+        return location(rest)
+    return (scheme,) + tuple(p for p in posixpath.normpath("/" + rest).split("/") if p)
+
+
+def _inside(inner: tuple[str, ...], outer: tuple[str, ...]) -> bool:
+    return inner[:len(outer)] == outer
+
+
+def refuse_nested(src: str, dst: str) -> None:
+    """CheckpointError unless `dst` and `src` are apart: neither the same place nor one inside the
+    other. A destination inside a checkpoint is deleted by that checkpoint's next save into its folder
+    (it removes the data files its new manifest does not name) or by retention; a source inside the
+    destination would be written over."""
+    a, b = location(src), location(dst)
+    if a == b:
+        raise CheckpointError(f"the destination {dst} is the source {src} itself; pass a new, empty folder")
+    if _inside(b, a):
+        raise CheckpointError(f"the destination {dst} lies inside the source checkpoint {src}: the "
+                              "source's next save or its retention would delete it; pass a folder outside the source")
+    if _inside(a, b):
+        raise CheckpointError(f"the source checkpoint {src} lies inside the destination {dst}; pass a "
+                              "destination that does not hold the source")
+
+
+def _refuse_in_bases(src: str, dst: str, manifest: Manifest) -> None:
+    """CheckpointError when `dst` lies inside a folder an incremental `src` references (its files
+    `../<folder>/...`): retention of that folder keeps only the files checkpoints reference."""
+    from omnickpt.storage.linked import sibling_path
+    for folder in sorted({f.path.split("/")[1] for f in manifest.files if f.path.startswith("../")}):
+        base = sibling_path(src, folder)
+        if _inside(location(dst), location(base)):
+            raise CheckpointError(f"the destination {dst} lies inside {base}, a checkpoint folder the "
+                                  f"source {src} references; its retention would delete it: pass a folder outside")
 
 
 def _refuse_non_empty(storage: Storage, dst: str) -> None:
@@ -199,30 +305,43 @@ def _selected(names: Sequence[str], key: str | None) -> list[str]:
 
 def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype | None = None,
                 part_bytes: int = PART_BYTES, transforms: Sequence[Any] = (), progress: bool = True,
-                workers: int = 4) -> dict:
+                workers: int = 4, allow_lossy_cast: bool = False) -> dict:
     """Write the checkpoint at `src` (any format omnickpt reads) as an omnickpt checkpoint at `dst`
     (see `convert`): every tensor (of `key`) read box by box, verified as a load verifies, cast
-    to `dtype` when floating point, written with chunk checksums into data files of at most
-    `part_bytes`; every object value copied as its encoded bytes (nothing is decoded, so pickled
-    values pass through unopened); the manifest written last, atomically. On any failure the data
-    files written so far are removed and nothing is committed."""
+    to `dtype` when floating point (refusing a cast that overflows or flushes values unless
+    `allow_lossy_cast`), written with chunk checksums into data files of at most `part_bytes`;
+    every object value copied as its encoded bytes (nothing is decoded, so pickled values pass
+    through unopened); the manifest written last, atomically. A tensor the source holds quantized
+    keeps that record (see the module docstring). On any failure the data files written so far are
+    removed and nothing is committed."""
     from tqdm.auto import tqdm
 
     from omnickpt.version import __version__
     t_start = time.perf_counter()
+    refuse_nested(src, dst)
     storage = storage_for(dst)
     _refuse_non_empty(storage, dst)
     timer = PhaseTimer()
     written: list[str] = []
+    losses = CastLosses(allow_lossy_cast)
     with CheckpointReader(src, transforms=transforms, workers=workers) as reader, \
             ThreadPoolExecutor(max(1, workers), thread_name_prefix="omnickpt-convert") as pool:
         source = reader.manifest
+        _refuse_in_bases(src, dst, source)   # transforms rewrite tensors, never files
         names = _selected(reader.names(), key)
         object_keys = _selected(reader.object_keys(), key)
         if key is not None and not names and not object_keys:
             raise CheckpointError(f"{reader.location} holds no tensor or object under key {key!r}; its keys are "
                                   f"{sorted({n.split('/', 1)[0] for n in reader.names() + reader.object_keys()})}")
         out_dtype = {n: _target_dtype(source.tensors[n].dtype, dtype) for n in names}
+        lossy = _lossy_records(source, names)
+        for n in lossy:
+            if dtype_name(out_dtype[n]) not in QUANT_DTYPES:
+                raise UnsupportedError(f"{n} is a lossy (quantized) copy and the omnickpt format records that only "
+                                       f"for tensors of {', '.join(QUANT_DTYPES)}, not {dtype_name(out_dtype[n])}; "
+                                       "cast to one of those, or leave this tensor out with key=")
+        # per lossy tensor cast to another dtype: the largest |x' - cast(x')|, added to its recorded error
+        cast_error = {n: 0.0 for n in lossy if out_dtype[n] != dtype_from_name(source.tensors[n].dtype)}
         pieces: list[_Piece] = []
         for n in names:
             entry = source.tensors[n]
@@ -243,21 +362,31 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
         try:
             for i, part in enumerate(parts):
                 rel = f"{DATA_DIR}/{save_id}-p{i:05d}.bin"
-                sums = _write_part(reader, storage, rel, part, out_dtype, pool, timer, bar, written)
+                sums = _write_part(reader, storage, rel, part, out_dtype, pool, timer, bar, written, losses,
+                                   cast_error)
                 files.append(FileEntry(rel, 0, part.size))
                 for (piece, offset), crcs in zip(part.pieces, sums):
                     if piece.box is not None:
-                        tensors[piece.name].boxes.append(
-                            SavedBox.stored(piece.box.offsets, piece.box.lengths, i, offset, piece.nbytes, crcs))
+                        tensors[piece.name].boxes.append(_stored_box(piece, i, offset, crcs, out_dtype[piece.name],
+                                                                     lossy.get(piece.name), bool(lossy)))
                     else:
                         objects.setdefault(piece.name, []).append(
                             ObjectEntry(list(piece.entry.ranks), i, offset, piece.nbytes, crcs[0]))
+            for n, err in cast_error.items():
+                # a bound of |x - cast(x')| for the original x, no longer a measurement (finite: JSON)
+                lossy[n]["max_error"] = min(lossy[n]["max_error"] + err, sys.float_info.max)
             layout = {k: v for k, v in source.layout.items() if k != "format"}
             layout.setdefault("world_size", source.world_size)
             layout["converted_from"] = {"format": reader.format, "path": reader.location}
+            if dtype is not None:
+                layout["converted_from"]["dtype"] = dtype_name(dtype)
+            if losses.counts:
+                layout["converted_from"]["lossy_casts"] = losses.counts
+            # A lossy tensor keeps its codec record; the chunked layout ("none": every chunk raw) is
+            # what lets a manifest carry one (format.md, "Quantized tensors").
             manifest = Manifest(save_id=save_id, world_size=source.world_size, files=files, tensors=tensors,
                                 objects=objects, layout=layout, tool_version=__version__, created=time.time(),
-                                chunk_bytes=CHUNK_BYTES)
+                                chunk_bytes=CHUNK_BYTES, compression="none" if lossy else None, quantized=lossy)
             with timer.phase("commit"):
                 storage.commit(MANIFEST_NAME, manifest.encode())
         except BaseException:
@@ -278,7 +407,55 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
         pass   # informational; the checkpoint is committed
     return {"to": "omnickpt", "path": storage.describe(), "source": reader.location, "source_format": reader.format,
             "save_id": save_id, "tensors": len(tensors), "objects": sum(len(v) for v in objects.values()),
-            "files": len(files), "bytes": sum(f.bytes for f in files), "seconds": seconds}
+            "files": len(files), "bytes": sum(f.bytes for f in files), "seconds": seconds} | (
+        {"lossy": lossy} if lossy else {}) | ({"lossy_casts": losses.counts} if losses.counts else {})
+
+
+def _lossy_records(source: Manifest, names: Sequence[str]) -> dict[str, dict]:
+    """{name: {"scheme", "max_error"}} of the selected tensors the source holds quantized. A tensor a
+    transform renamed or fused is found by its boxes' codec and gets the largest error the source
+    recorded for any tensor (a bound: its own record is under a name it no longer has)."""
+    out = {}
+    worst = max((float(q["max_error"]) for q in source.quantized.values()), default=0.0)
+    for n in names:
+        if n in source.quantized:
+            out[n] = {"scheme": source.quantized[n]["scheme"], "max_error": float(source.quantized[n]["max_error"])}
+            continue
+        entry = source.tensors[n]
+        cols = entry.columns if not entry.holds_boxes else None
+        codecs = {cols.codec} if cols is not None else {b.sums.codec for b in entry.boxes if b.sums is not None}
+        scheme = next((c for c in sorted(codecs, key=str) if c in SCHEMES), None)
+        if scheme is not None:
+            out[n] = {"scheme": scheme, "max_error": worst}
+    return out
+
+
+def _stored_box(piece: _Piece, file: int, offset: int, crcs: list[int], dtype: torch.dtype, lossy: dict | None,
+                chunked: bool) -> SavedBox:
+    """The manifest record of a written box: plain, or in a chunked layout (a checkpoint that keeps
+    lossy records) every chunk stored raw, marked with its tensor's scheme where it is lossy."""
+    box = SavedBox.stored(piece.box.offsets, piece.box.lengths, file, offset, piece.nbytes, crcs)
+    if not chunked:
+        return box
+    raw = tuple(min(CHUNK_BYTES, piece.nbytes - a) for a in range(0, piece.nbytes, CHUNK_BYTES))
+    box.sums = Sums(offset, offset + piece.nbytes, CHUNK_BYTES, tuple(crcs), stored=raw,
+                    codec=lossy["scheme"] if lossy else "none", itemsize=dtype.itemsize, dtype=dtype_name(dtype))
+    return box
+
+
+def _rows(box: Box) -> str:
+    return f"{box.offsets[0]}:{box.offsets[0] + box.lengths[0]}" if box.lengths else "-"
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, step: int = 1 << 22) -> float:
+    """max |a - b| in float64 (inf where one side overflowed), a slab at a time: a piece can be a GiB."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    out = 0.0
+    for i in range(0, a.numel(), step):
+        d = (a[i:i + step].double() - b[i:i + step].double()).abs()
+        d = torch.where(torch.isnan(a[i:i + step]), torch.zeros_like(d), torch.nan_to_num(d, nan=math.inf))
+        out = max(out, float(d.max()))
+    return out
 
 
 def _json(doc: dict) -> bytes:
@@ -292,9 +469,11 @@ def _target_dtype(saved: str, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _write_part(reader: CheckpointReader, storage: Storage, rel: str, part: _Part, out_dtype: dict,
-                pool: ThreadPoolExecutor, timer: PhaseTimer, bar, written: list[str]) -> list[list[int]]:
+                pool: ThreadPoolExecutor, timer: PhaseTimer, bar, written: list[str], losses: CastLosses,
+                cast_error: dict[str, float]) -> list[list[int]]:
     """Fill one data file's bytes in memory, checksum them per chunk, write the file. Returns the
-    chunk CRCs of each piece, in order."""
+    chunk CRCs of each piece, in order. Casts go through `losses`; for the tensors of `cast_error`
+    the largest rounding the cast made is kept there."""
     buf = torch.zeros(part.size, dtype=torch.uint8)   # zeros: the alignment gaps are written too
     direct, direct_dests, casts = [], [], []
     for piece, offset in part.pieces:
@@ -312,7 +491,13 @@ def _write_part(reader: CheckpointReader, storage: Storage, rel: str, part: _Par
     if direct:
         reader.read_into(direct, direct_dests)
     for piece, view in casts:   # one at a time: the source-dtype copy is never more than one piece
-        view.copy_(reader.get(piece.name, piece.box))
+        values = reader.get(piece.name, piece.box)
+        view.copy_(values)
+        shape = reader.info(piece.name).shape
+        where = "" if tuple(piece.box.lengths) == tuple(shape) else f"rows {_rows(piece.box)} of {shape[0]}"
+        losses.check(values, view, piece.name, where)
+        if piece.name in cast_error:
+            cast_error[piece.name] = max(cast_error[piece.name], _largest_difference(values, view))
     with timer.phase("checksum"):
         whole = tensor_bytes_view(buf)
         # A tensor box has one CRC per chunk (a partial read verifies what it reads), an object
@@ -335,5 +520,5 @@ def _write_part(reader: CheckpointReader, storage: Storage, rel: str, part: _Par
     return out
 
 
-__all__ = ["HF_SHARD_BYTES", "PART_BYTES", "TARGETS", "convert", "parse_size", "parse_transform", "plan_parts",
-           "to_omnickpt"]
+__all__ = ["HF_SHARD_BYTES", "PART_BYTES", "TARGETS", "convert", "location", "parse_size", "parse_transform",
+           "plan_parts", "refuse_nested", "to_omnickpt"]

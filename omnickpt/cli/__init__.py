@@ -5,8 +5,9 @@
     omnickpt verify PATH [--json] [--workers N] completeness and every checksum; exit 1 on a problem
     omnickpt diff A B [--atol X] [--rtol Y] [--all] [--json]
                                                 what differs between two checkpoints; exit 1 when they differ
-    omnickpt convert SRC DST --to hf|dcp|omnickpt [--key K] [--dtype D] [--max-shard-size S] [--transform T]...
-                                                write a checkpoint in another format (never over existing files)
+    omnickpt convert SRC DST --to hf|dcp|omnickpt [--key K] [--dtype D [--allow-lossy-cast]] [--max-shard-size S]
+                     [--transform T]...         write a checkpoint in another format (never over existing files,
+                                                never inside SRC)
     omnickpt report PATH [--json] [--png FILE] [--trace FILE]
                                                 per-rank, per-phase timings of the save that wrote PATH
     omnickpt clear-memory JOB [--json]          free a job's memory-tier checkpoints on this machine
@@ -110,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     con.add_argument("--key", metavar="KEY", help="only this state key's tensors (hf: the module to export, "
                                                   "default: the only one, or 'model')")
     con.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="cast floating-point tensors")
+    con.add_argument("--allow-lossy-cast", action="store_true",
+                     help="with --dtype: cast even where finite values become inf or non-zero values become 0 "
+                          "(refused by default, naming the tensor); the result lists the counts per tensor")
     con.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                      help="largest data file: bytes or 500MB, 5GB, 2GiB (hf default 5GB; omnickpt default 1GiB, "
                           "about twice that is held in memory)")
@@ -180,14 +184,34 @@ def _diff(args) -> int:
 def _convert(args) -> int:
     from omnickpt.convert import convert
     result = convert(args.src, args.dst, to=args.to, key=args.key, dtype=args.dtype,
-                     max_shard_size=args.max_shard_size, transforms=args.transform, progress=_progress(args))
+                     max_shard_size=args.max_shard_size, transforms=args.transform, progress=_progress(args),
+                     allow_lossy_cast=args.allow_lossy_cast)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         details = ", ".join(f"{k} {result[k]}" for k in ("tensors", "objects", "files", "bytes") if k in result)
         print(f"converted {args.src} -> {result['path']} ({args.to})" + (f": {details}" if details else "")
               + (f" in {result['seconds']:.2f} s" if isinstance(result.get("seconds"), float) else ""))
+        for line in _convert_notes(result, args.to):
+            print(f"note: {line}")
     return 0
+
+
+def _convert_notes(result: dict, to: str) -> list[str]:
+    """What the conversion lost or carried over lossy, one line per kind and tensor."""
+    lines = []
+    lossy = result.get("lossy") or {}
+    if lossy:
+        schemes = ", ".join(sorted({r["scheme"] for r in lossy.values()}))
+        worst = max(r["max_error"] for r in lossy.values())
+        kept = ("recorded in the new manifest" if to == "omnickpt"
+                else f"the {to} format cannot record this: the copy reads as exact")
+        lines.append(f"{len(lossy)} tensor(s) are lossy copies (quantized {schemes} by the source's save, largest "
+                     f"error {worst:.3g}); {kept}")
+    for name, c in sorted((result.get("lossy_casts") or {}).items()):
+        lines.append(f"{name}: the cast turned {c['overflow']} finite value(s) into inf and {c['flush']} non-zero "
+                     "value(s) into 0")
+    return lines
 
 
 def _report(args) -> int:

@@ -6,6 +6,10 @@ absolute and relative difference of their values (relative to B, as torch.allclo
 tensor is read in slabs of leading rows of at most `slab_bytes` (as float64), so memory stays
 bounded whatever the tensors' sizes. Objects (plain values) are decoded safely and compared by
 value, naming the first place they differ.
+
+A tensor a side holds lossy (stored quantized by save(quantize_optimizer=), or a converted copy of
+one: its manifest's `codec` / `max_error` record) is marked on that side, equal or not: equal values
+then say only that the two copies agree, not that either is what was saved before quantization.
 """
 from __future__ import annotations
 
@@ -38,6 +42,10 @@ class DiffReport:
     def differs(self) -> bool:
         return any(t["status"] in DIFFERENT for t in self.tensors + self.objects)
 
+    def lossy(self, side: str) -> list[dict]:
+        """The tensor rows whose copy on `side` ("a" or "b") is lossy (quantized)."""
+        return [t for t in self.tensors if t.get(f"lossy_{side}")]
+
     def counts(self, rows: list[dict]) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in rows:
@@ -48,6 +56,7 @@ class DiffReport:
         """The `diff --json` document (non-finite numbers as the strings "inf" / "nan")."""
         return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "same": not self.differs,
                 "tensor_counts": self.counts(self.tensors), "object_counts": self.counts(self.objects),
+                "lossy": {"a": len(self.lossy("a")), "b": len(self.lossy("b"))},
                 "tensors": [{k: _finite(v) for k, v in t.items()} for t in self.tensors], "objects": self.objects}
 
 
@@ -61,8 +70,11 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, slab_bytes: in
          progress: bool = False, workers: int = 4) -> DiffReport:
     """Compare the checkpoints at `a` and `b` (see the module docstring). Each tensor row holds
     "name", "status" ("equal": identical values; "close": within atol/rtol; "differs"; "shape";
-    "dtype"; "only in A"; "only in B"), shapes and dtypes of both sides, and where values were
-    compared "max_abs", "max_rel" and "mismatched" (elements beyond the tolerance). Each object
+    "dtype"; "only in A"; "only in B"), shapes and dtypes of both sides, where values were
+    compared "max_abs", "max_rel" and "mismatched" (elements beyond the tolerance), and for a side
+    that holds the tensor lossy "lossy_a" / "lossy_b": {"scheme", "max_error"} (its manifest's
+    record) plus, where values were compared, "within_lossy_error": whether max_abs is within the
+    sum of the recorded errors (the copies may come from one original). Each object
     row holds "key", "status" and, when it differs, "detail". Raises what opening either
     checkpoint raises (NotCommittedError, CorruptCheckpointError on a damaged byte read)."""
     from tqdm.auto import tqdm
@@ -74,7 +86,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, slab_bytes: in
                    desc="diff", disable=not progress, leave=False)
         try:
             for name in names:
-                report.tensors.append(_tensor_row(ra, rb, name, report.atol, report.rtol, slab_bytes, bar))
+                row = _tensor_row(ra, rb, name, report.atol, report.rtol, slab_bytes, bar)
+                report.tensors.append(_mark_lossy(row, _quantized(ra).get(name), _quantized(rb).get(name)))
         finally:
             bar.close()
         keys = ra.object_keys() + [k for k in rb.object_keys() if k not in ra.manifest.objects]
@@ -112,6 +125,21 @@ def _tensor_row(ra: CheckpointReader, rb: CheckpointReader, name: str, atol: flo
         row["status"] = "dtype"
     else:
         row["status"] = "equal" if identical else ("differs" if mismatched else "close")
+    return row
+
+
+def _quantized(reader: CheckpointReader) -> dict[str, dict]:
+    return getattr(reader.manifest, "quantized", None) or {}
+
+
+def _mark_lossy(row: dict, qa: dict | None, qb: dict | None) -> dict:
+    """`row` with the lossy records of the sides that hold the tensor quantized."""
+    for side, q in (("a", qa), ("b", qb)):
+        if q:
+            row[f"lossy_{side}"] = {"scheme": q["scheme"], "max_error": float(q["max_error"])}
+    if (qa or qb) and "max_abs" in row:
+        bound = sum(float(q["max_error"]) for q in (qa, qb) if q)
+        row["within_lossy_error"] = bool(row["max_abs"] <= bound)
     return row
 
 
@@ -231,10 +259,18 @@ def format_text(report: DiffReport, *, show_all: bool = False) -> str:
         return ", ".join(f"{n} {s}" for s, n in sorted(c.items(), key=lambda kv: -kv[1])) or "none"
 
     lines.append(f"tensors ({len(report.tensors)}): {counts(report.tensors)}")
-    shown = [t for t in report.tensors if show_all or t["status"] != "equal"]
+    for side in ("a", "b"):
+        rows = report.lossy(side)
+        if rows:
+            schemes = ", ".join(sorted({t[f"lossy_{side}"]["scheme"] for t in rows}))
+            worst = max(t[f"lossy_{side}"]["max_error"] for t in rows)
+            lines.append(f"lossy in {side.upper()}: {len(rows)} tensor(s) stored quantized ({schemes}, largest "
+                         f"recorded error {worst:.3g}): their values are a lossy copy of what was saved")
+    # an equal row with a lossy side is listed too: "equal" alone would read as "exact"
+    shown = [t for t in report.tensors if show_all or t["status"] != "equal" or _lossy_sides(t)]
     if shown:
         lines += table(("NAME", "STATUS", "SHAPE A", "SHAPE B", "DTYPE A", "DTYPE B", "MAX ABS", "MAX REL", "BEYOND"),
-                       [(t["name"], t["status"], _dims(t["shape_a"]), _dims(t["shape_b"]), t["dtype_a"] or "-",
+                       [(t["name"], _status_text(t), _dims(t["shape_a"]), _dims(t["shape_b"]), t["dtype_a"] or "-",
                          t["dtype_b"] or "-", _num(t.get("max_abs")), _num(t.get("max_rel")),
                          t.get("mismatched", "-")) for t in shown], right={6, 7, 8})
     lines.append(f"objects ({len(report.objects)}): {counts(report.objects)}")
@@ -243,8 +279,22 @@ def format_text(report: DiffReport, *, show_all: bool = False) -> str:
         lines += table(("KEY", "STATUS", "DETAIL"), [(o["key"], o["status"], o.get("detail", "")) for o in shown],
                        right=set())
     tol = f"atol={report.atol:g}, rtol={report.rtol:g}"
-    lines.append(f"DIFFERENT ({tol})" if report.differs else f"SAME ({tol})")
+    lossy = {t["name"] for t in report.lossy("a") + report.lossy("b")}
+    note = f"; {len(lossy)} tensor(s) lossy (quantized) on a side, see above" if lossy else ""
+    lines.append(f"DIFFERENT ({tol}){note}" if report.differs else f"SAME ({tol}){note}")
     return "\n".join(lines)
+
+
+def _lossy_sides(row: dict) -> str:
+    return "+".join(s.upper() for s in ("a", "b") if row.get(f"lossy_{s}"))
+
+
+def _status_text(row: dict) -> str:
+    sides = _lossy_sides(row)
+    if not sides:
+        return row["status"]
+    within = ", within recorded error" if row.get("within_lossy_error") and row["status"] == "differs" else ""
+    return f"{row['status']} (lossy {sides}{within})"
 
 
 def _dims(shape: list | None) -> str:

@@ -1,5 +1,6 @@
-"""Opt-in lossy quantization of stored chunks of optimizer state (Adam's exp_avg / exp_avg_sq,
-momentum buffers): "int8" and "fp8" (float8 e4m3fn), one float32 scale per BLOCK elements.
+"""Opt-in lossy quantization of stored chunks of optimizer moments (MOMENTS: Adam's exp_avg /
+exp_avg_sq, momentum buffers, ...): "int8" and "fp8" (float8 e4m3fn), one float32 scale per BLOCK
+elements.
 
 Why only optimizer state, and only on request: the moments are running averages that the next
 steps keep overwriting, so the error of a resume from them (int8: up to 0.4% of each block's
@@ -43,8 +44,16 @@ quantize() returns, besides the payload, the measured max |x - x'| over the chun
 that the caller can record what was lost.
 
 Arithmetic is float32 (float64 chunks: scales from their float32 values, but dequantized into
-float64). Chunks holding nan or inf are refused: no scale represents them. Pure functions over
-bytes; no state.
+float64). Pure functions over bytes; no state.
+
+Chunks that cannot be quantized within these rules are stored raw instead, exactly (quantize returns
+the raw bytes, which are not smaller than a payload, and the format tells a raw chunk by its stored
+length): a chunk holding nan or inf (no scale represents them; one diverged element must not fail a
+whole save), float64 values beyond float32's range (the scales are float32), and a chunk whose
+payload would read back a non-zero value of a block with no negative value as 0 (a second moment
+below what the scale or the tensor's dtype can express: subnormals, float64 values below float32's
+range) or a finite value as inf (rounding into float16 / bfloat16 at the top of their range). Those
+chunks cost their raw size and add nothing to the recorded error.
 """
 from __future__ import annotations
 
@@ -55,6 +64,23 @@ from omnickpt.errors import CorruptCheckpointError
 
 SCHEMES = ("int8", "fp8")
 BLOCK = 256
+# The per-parameter state keys of torch.optim optimizers (torch 2.13) that quantize_optimizer stores
+# quantized: running averages of gradients (first moments) and of their squares or norms (second
+# moments), which the next steps keep overwriting, so a resume's error fades. Everything else stays
+# exact: step counts; state that accumulates or stands for the weights themselves and never fades
+# (Adagrad's sum, ASGD's ax / eta / mu, NAdam's mu_product, Rprop's prev / step_size, LBFGS's
+# history); Adafactor's factored row_var / col_var (a few values per row, nothing to gain).
+MOMENTS = frozenset({
+    "exp_avg",          # Adam, AdamW, NAdam, RAdam, Adamax, SparseAdam: first moment
+    "exp_avg_sq",       # Adam, AdamW, NAdam, RAdam, SparseAdam: second moment
+    "max_exp_avg_sq",   # Adam / AdamW with amsgrad: the running maximum of the second moment
+    "momentum_buffer",  # SGD, RMSprop (momentum > 0), Muon
+    "square_avg",       # RMSprop, Adadelta: second moment
+    "grad_avg",         # RMSprop centered: first moment
+    "acc_delta",        # Adadelta: second moment of the updates
+    "exp_inf",          # Adamax: exponentially weighted infinity norm (its second moment)
+    "variance",         # Adafactor, unfactored (1-D) parameters: second moment
+})
 QUANT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -71,6 +97,13 @@ def check_scheme(scheme: str | None) -> str | None:
 
 def quantizable(dtype_name: str) -> bool:
     return dtype_name in QUANT_DTYPES
+
+
+def is_moment(name: str, optimizer_key: str) -> bool:
+    """Whether tensor `name` of a checkpoint is a moment (MOMENTS) of the optimizer saved under
+    `optimizer_key`: "<optimizer_key>/state/<parameter>/<state key>"."""
+    prefix = f"{optimizer_key}/state/"
+    return name.startswith(prefix) and name[len(prefix):].rpartition("/")[2] in MOMENTS
 
 
 def stored_size(n_elements: int, scheme: str) -> int:
@@ -118,7 +151,9 @@ def _blocks(a: np.ndarray) -> np.ndarray:
 
 
 def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[bytes, float]:
-    """(the stored payload of one chunk, the max |x - x'| its dequantization makes, in float64)."""
+    """(the stored payload of one chunk, the max |x - x'| its dequantization makes, in float64), or
+    (the chunk's raw bytes, 0.0) when it cannot be quantized within the rules of the module docstring:
+    the caller stores it raw, exactly (codec.encode_chunk keeps anything not smaller than raw)."""
     check_scheme(scheme)
     _check_dtype(dtype_name)
     raw = memoryview(raw).cast("B")
@@ -128,18 +163,14 @@ def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[byt
     n = len(x)
     if n == 0:
         return b"", 0.0
-    if dtype_name == "float64":
-        big = max(x.max(), -x.min())
-        if not np.isfinite(big):
-            raise ValueError("the chunk holds non-finite values (nan or inf), which quantization cannot represent")
-        if big > _F32_MAX:
-            raise ValueError(f"the chunk holds values up to {big:.3g}, beyond the float32 range of the scales")
+    if dtype_name == "float64" and not max(x.max(), -x.min()) <= _F32_MAX:
+        return bytes(raw), 0.0   # nan, inf, or beyond the float32 scales: stored exactly
     xb = _blocks(x.astype(np.float32, copy=False))
     # max and -min instead of abs().max(): no temporary the size of the chunk; nan propagates
     bmax, bmin = xb.max(axis=1), xb.min(axis=1)
     absmax = np.maximum(bmax, -bmin)
     if not np.isfinite(absmax).all():
-        raise ValueError("the chunk holds non-finite values (nan or inf), which quantization cannot represent")
+        return bytes(raw), 0.0   # nan or inf (a diverged element): stored exactly, the save goes on
     qmax = _QMAX[scheme]
     # Non-negative blocks (second moments) are stored as square roots: a linear grid of 127 steps
     # would round every value below absmax/254 to nothing, and exp_avg_sq spans many more orders of
@@ -175,8 +206,15 @@ def quantize(raw: memoryview | bytes, dtype_name: str, scheme: str) -> tuple[byt
     payload = np.where(root, -scales, scales).astype("<f4").tobytes() + q.tobytes()
     back = bytearray(len(raw))
     dequantize_into(payload, dtype_name, scheme, memoryview(back), "quantize")
+    x_back = _decode(back, dtype_name)
+    # What the reader will see is checked, not predicted: a scale that underflows (subnormal blocks),
+    # float64 values below float32's range and the rounding into float16 can still read a second
+    # moment back as 0 or a finite value as inf; such a chunk is stored exactly instead.
+    nonneg = np.repeat(bmin >= 0, BLOCK)[:n]
+    if not np.isfinite(x_back).all() or ((x_back == 0) & (x != 0) & nonneg).any():
+        return bytes(raw), 0.0
     # the ufunc casts to float64 in small buffers: ~10x faster than two float64 copies of the chunk
-    diff = np.subtract(x, _decode(back, dtype_name), dtype=np.float64)
+    diff = np.subtract(x, x_back, dtype=np.float64)
     err = float(max(diff.max(), -diff.min()))
     return payload, err
 

@@ -1,0 +1,320 @@
+"""Issue 17, a careless/hostile-user sweep of quantization, convert and diff: quantize_optimizer
+stores the moments only, never reads a second moment back as 0 and survives non-finite state;
+convert keeps the record that a tensor is lossy, refuses casts that overflow or flush values unless
+allowed, and never writes inside its source; diff says which side is lossy."""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import omnickpt
+from omnickpt.cli import main as cli
+from omnickpt.cli.diff import diff, format_text
+from omnickpt.cli.verify import verify
+from omnickpt.convert import convert, location, refuse_nested
+from omnickpt.errors import CheckpointError, UnsupportedError
+from omnickpt.format.codec import decode_into, encode_chunk
+
+
+def _state_keys(opt) -> dict[str, torch.Tensor]:
+    return {f"optim/state/w/{k}": v for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
+
+
+def _stepped(make, steps: int = 3, shape=(300,), dtype=torch.float32):
+    """A one-parameter module (named "w") and its optimizer after a few steps."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(*shape, dtype=dtype))
+    opt = make([model.w])
+    for _ in range(steps):
+        model.w.grad = torch.randn(*shape, dtype=dtype)
+        opt.step()
+    return model, opt
+
+
+def _fresh_like(model, opt):
+    m2 = nn.Module()
+    m2.w = nn.Parameter(torch.zeros_like(model.w))
+    o2 = type(opt)([m2.w], **{k: v for k, v in opt.defaults.items() if k not in ("params",)})
+    return m2, o2
+
+
+def _roundtrip(path, model, opt, **kw):
+    omnickpt.save(path, {"model": model, "optim": opt}, **kw)
+    m2, o2 = _fresh_like(model, opt)
+    o2.load_state_dict(opt.state_dict())   # the state exists, so the load has destinations of the right kinds
+    for s in o2.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+    omnickpt.load(path, {"model": m2, "optim": o2})
+    return m2, o2
+
+
+# ------------------------------------------------------------------ quantize_optimizer: moments only
+OPTIMIZERS = {
+    "ASGD": (lambda p: torch.optim.ASGD(p, lr=0.01, t0=0), set()),
+    "Rprop": (lambda p: torch.optim.Rprop(p, lr=0.01), set()),
+    "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.01), set()),
+    "NAdam": (lambda p: torch.optim.NAdam(p, lr=0.01), {"exp_avg", "exp_avg_sq"}),
+    "Adam-amsgrad": (lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True), {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "SGD": (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), {"momentum_buffer"}),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True),
+                {"square_avg", "momentum_buffer", "grad_avg"}),
+    "Adadelta": (lambda p: torch.optim.Adadelta(p), {"square_avg", "acc_delta"}),
+    "Adamax": (lambda p: torch.optim.Adamax(p, lr=0.01), {"exp_avg", "exp_inf"}),
+}
+
+
+def test_only_the_moments_of_each_torch_optimizer_are_quantized_and_the_rest_loads_bit_exact(tmp_path):
+    for kind, (make, moments) in OPTIMIZERS.items():
+        model, opt = _stepped(make)
+        path = str(tmp_path / kind)
+        m2, o2 = _roundtrip(path, model, opt, quantize_optimizer="int8")
+        with omnickpt.open(path) as r:
+            recorded = set(r.manifest.quantized)
+        assert recorded == {f"optim/state/w/{k}" for k in moments}, kind
+        loaded = _state_keys(o2)
+        for name, want in _state_keys(opt).items():
+            if name not in recorded:   # ASGD's ax / eta / mu, Rprop's prev / step_size, Adagrad's sum, mu_product, step
+                assert torch.equal(loaded[name], want), (kind, name)
+
+
+# ------------------------------------------------------------------ quantize: what a scheme cannot represent
+def _codec_roundtrip(x: np.ndarray, dtype_name: str, scheme: str) -> tuple[np.ndarray, bool, float]:
+    raw = memoryview(x.tobytes())
+    stored, err = encode_chunk(raw, scheme, x.itemsize, dtype_name)
+    out = bytearray(len(raw))
+    if len(stored) == len(raw):
+        out[:] = stored
+    else:
+        decode_into(stored, scheme, x.itemsize, dtype_name, memoryview(out), "t")
+    return np.frombuffer(bytes(out), dtype=x.dtype), len(stored) == len(raw), err
+
+
+def _fp16_edge() -> np.ndarray:
+    # a root block whose smallest code squares to below half of float16's smallest subnormal
+    x = np.full(300, 1e-5, dtype=np.float16)
+    x[0], x[1] = 4.6e-4, 5.96e-8
+    return x
+
+
+@pytest.mark.parametrize("x, scheme", [
+    (np.full(300, 1e-44, dtype=np.float32), "int8"),                 # the scale underflows: a subnormal block
+    (np.full(300, 1e-44, dtype=np.float32), "fp8"),
+    (np.array([1e-50, 1e-320] + [0.5] * 254, dtype=np.float64), "int8"),   # below float32's range
+    (np.array([1e-50, 1e-320] + [0.5] * 254, dtype=np.float64), "fp8"),
+    (_fp16_edge(), "int8"),                                           # rounding into float16 flushes it
+], ids=["subnormal-f32-int8", "subnormal-f32-fp8", "tiny-f64-int8", "tiny-f64-fp8", "f16-rounding-int8"])
+def test_a_non_zero_second_moment_never_reads_back_as_zero(x, scheme):
+    back, _, _ = _codec_roundtrip(x, str(x.dtype), scheme)
+    assert not ((back == 0) & (x != 0)).any()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e39])
+def test_a_chunk_quantization_cannot_represent_is_stored_exactly(bad, scheme):
+    dtype = np.float64 if bad == 1e39 else np.float32
+    x = np.linspace(-1, 1, 1000).astype(dtype)
+    x[17] = bad
+    back, raw, err = _codec_roundtrip(x, str(x.dtype), scheme)
+    assert raw and err == 0.0 and back.tobytes() == x.tobytes()
+
+
+def test_subnormal_adam_second_moments_load_non_zero(tmp_path):
+    model, opt = _stepped(lambda p: torch.optim.Adam(p, lr=0.01))
+    opt.state[model.w]["exp_avg_sq"].fill_(1e-44)   # a parameter whose gradients are ~1e-22
+    _, o2 = _roundtrip(str(tmp_path / "q"), model, opt, quantize_optimizer="int8")
+    assert (o2.state[o2.param_groups[0]["params"][0]]["exp_avg_sq"] != 0).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e39])
+def test_one_non_finite_moment_does_not_fail_the_save_and_loads_bit_exact(tmp_path, bad):
+    dtype = torch.float64 if bad == 1e39 else torch.float32
+    model, opt = _stepped(lambda p: torch.optim.Adam(p, lr=0.01), shape=(4, 300), dtype=dtype)
+    state = opt.state[model.w]
+    state["exp_avg"][1, 3] = bad
+    path = str(tmp_path / "q")
+    _, o2 = _roundtrip(path, model, opt, quantize_optimizer="int8")
+    got = o2.state[o2.param_groups[0]["params"][0]]
+    # the chunk holding the bad value (here the whole tensor) is stored raw: every bit comes back
+    assert got["exp_avg"].view(torch.uint8).equal(state["exp_avg"].view(torch.uint8))
+    with omnickpt.open(path) as r:
+        q = r.manifest.quantized
+    assert q["optim/state/w/exp_avg"]["max_error"] == 0.0            # stored exactly: nothing lost
+    assert q["optim/state/w/exp_avg_sq"]["max_error"] > 0             # the other moment is still quantized
+    assert verify(path).ok
+
+
+# ------------------------------------------------------------------ convert keeps the lossy record; diff shows it
+def _adam_ckpt(tmp_path, name: str, **kw) -> tuple[str, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    path = str(tmp_path / name)
+    omnickpt.save(path, {"model": model, "optim": opt}, **kw)
+    return path, model, opt
+
+
+def test_convert_to_omnickpt_keeps_the_quantized_record_and_diff_says_both_sides_are_lossy(tmp_path, capsys):
+    q, _, _ = _adam_ckpt(tmp_path, "q", quantize_optimizer="int8")
+    dst = str(tmp_path / "copy")
+    out = convert(q, dst, to="omnickpt", progress=False)
+    with omnickpt.open(q) as a, omnickpt.open(dst) as b:
+        assert a.manifest.quantized and b.manifest.quantized == a.manifest.quantized
+        assert out["lossy"] == a.manifest.quantized
+    assert verify(dst).ok
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    result = omnickpt.load(dst, {"model": model, "optim": opt})
+    assert set(result.report["quantized"]) == set(out["lossy"])          # a load still reports what was lost
+    report = diff(q, dst)
+    assert not report.differs and len(report.lossy("a")) == len(report.lossy("b")) == len(out["lossy"])
+    assert cli(["diff", q, dst]) == 0
+    text = capsys.readouterr().out
+    assert "lossy in B: 8 tensor(s) stored quantized (int8" in text and "equal (lossy A+B)" in text
+
+
+def test_diff_of_an_exact_original_and_a_quantized_copy_names_the_lossy_side(tmp_path):
+    q, model, opt = _adam_ckpt(tmp_path, "q", quantize_optimizer="fp8")
+    plain = str(tmp_path / "plain")
+    omnickpt.save(plain, {"model": model, "optim": opt})
+    report = diff(plain, q)
+    rows = {t["name"]: t for t in report.tensors}
+    moment = rows["optim/state/0.weight/exp_avg_sq"]
+    assert moment["lossy_b"]["scheme"] == "fp8" and "lossy_a" not in moment
+    assert moment["status"] == "differs" and moment["within_lossy_error"] is True
+    assert "lossy_b" not in rows["model/0.weight"] and rows["model/0.weight"]["status"] == "equal"
+    assert "differs (lossy B, within recorded error)" in format_text(report)
+    assert report.as_dict()["lossy"] == {"a": 0, "b": 8}
+
+
+def test_an_equal_row_with_a_lossy_side_is_listed_even_without_all(tmp_path):
+    q, _, _ = _adam_ckpt(tmp_path, "q", quantize_optimizer="int8")
+    dcp = str(tmp_path / "dcp")
+    out = convert(q, dcp, to="dcp", progress=False)
+    assert set(out["lossy"]) == {n for n in out["lossy"] if n.startswith("optim/")} and len(out["lossy"]) == 8
+    text = format_text(diff(q, dcp))
+    assert "equal (lossy A)" in text and "lossy in A: 8 tensor(s)" in text
+
+
+def test_a_cast_of_a_lossy_tensor_keeps_a_bound_against_the_original(tmp_path, capsys):
+    q, model, opt = _adam_ckpt(tmp_path, "q", quantize_optimizer="int8")
+    dst = str(tmp_path / "half")
+    out = convert(q, dst, to="omnickpt", dtype="bfloat16", progress=False)
+    with omnickpt.open(q) as a, omnickpt.open(dst) as b:
+        for name, rec in a.manifest.quantized.items():
+            kept = b.manifest.quantized[name]
+            assert kept["scheme"] == rec["scheme"] and kept["max_error"] > rec["max_error"]
+            original = _moment(model, opt, name)
+            assert (b.get(name).double() - original.double()).abs().max().item() <= kept["max_error"]
+        assert b.manifest.layout["converted_from"]["dtype"] == "bfloat16"
+    assert out["lossy"] and "lossy_casts" not in out
+
+
+def test_a_tensor_a_transform_renames_stays_marked_lossy_with_the_checkpoints_largest_error(tmp_path):
+    from omnickpt.transforms import Rename
+    q, _, _ = _adam_ckpt(tmp_path, "q", quantize_optimizer="int8")
+    dst = str(tmp_path / "renamed")
+    convert(q, dst, to="omnickpt", transforms=[Rename.regex(r"/0\.", "/first.")], progress=False)
+    with omnickpt.open(q) as a, omnickpt.open(dst) as b:
+        worst = max(r["max_error"] for r in a.manifest.quantized.values())
+        renamed = {n: r for n, r in b.manifest.quantized.items() if "/first." in n}
+        assert len(renamed) == 4 and all(r == {"scheme": "int8", "max_error": worst} for r in renamed.values())
+        assert len(b.manifest.quantized) == len(a.manifest.quantized)
+
+
+def _moment(model, opt, name: str) -> torch.Tensor:
+    _, _, param, key = name.split("/")
+    return opt.state[dict(model.named_parameters())[param]][key]
+
+
+# ------------------------------------------------------------------ lossy dtype casts
+def _extreme(tmp_path) -> str:
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1e6, 1.0, 1e-9, 0.5], [-1e6, 2.0, 0.0, 3.0]]))
+    path = str(tmp_path / "src")
+    omnickpt.save(path, {"model": model})
+    return path
+
+
+@pytest.mark.parametrize("to", ["omnickpt", "hf"])
+def test_a_cast_that_overflows_or_flushes_is_refused_naming_the_tensor_then_counted_when_allowed(tmp_path, to):
+    src = _extreme(tmp_path)
+    dst = str(tmp_path / "half")
+    with pytest.raises(UnsupportedError) as e:
+        convert(src, dst, to=to, key="model", dtype="float16", progress=False)
+    msg = str(e.value)
+    assert "model/weight" in msg and "2 finite value(s) into inf" in msg and "1 non-zero value(s) into 0" in msg
+    assert "allow_lossy_cast=True" in msg and "--allow-lossy-cast" in msg
+    assert not glob.glob(os.path.join(dst, "**", "*.*"), recursive=True)   # nothing half-written is left
+    out = convert(src, dst, to=to, key="model", dtype="float16", progress=False, allow_lossy_cast=True)
+    assert out["lossy_casts"] == {"model/weight": {"overflow": 2, "flush": 1}}
+    # bfloat16 holds both values: nothing to refuse, nothing reported
+    out = convert(src, str(tmp_path / "bf"), to=to, key="model", dtype="bfloat16", progress=False)
+    assert "lossy_casts" not in out
+
+
+def test_the_cli_refuses_a_lossy_cast_and_with_the_flag_prints_and_records_the_counts(tmp_path, capsys):
+    src = _extreme(tmp_path)
+    dst = str(tmp_path / "half")
+    assert cli(["convert", src, dst, "--to", "omnickpt", "--dtype", "float16"]) == 1
+    assert "model/weight" in capsys.readouterr().err
+    assert cli(["convert", src, dst, "--to", "omnickpt", "--dtype", "float16", "--allow-lossy-cast"]) == 0
+    out = capsys.readouterr().out
+    assert "note: model/weight: the cast turned 2 finite value(s) into inf and 1 non-zero value(s) into 0" in out
+    with omnickpt.open(dst) as r:
+        assert r.manifest.layout["converted_from"]["lossy_casts"] == {"model/weight": {"overflow": 2, "flush": 1}}
+
+
+# ------------------------------------------------------------------ convert never writes inside its source
+@pytest.mark.parametrize("to", ["omnickpt", "hf", "dcp"])
+def test_convert_into_the_source_is_refused_naming_both(tmp_path, to):
+    src = _extreme(tmp_path)
+    before = sorted(glob.glob(os.path.join(src, "**"), recursive=True))
+    for dst in (os.path.join(src, "data", "copy"), os.path.join(src, "export"), src):
+        with pytest.raises(CheckpointError) as e:
+            convert(src, dst, to=to, progress=False)
+        assert src in str(e.value) and dst in str(e.value)
+    assert sorted(glob.glob(os.path.join(src, "**"), recursive=True)) == before   # nothing was written
+    with pytest.raises(CheckpointError, match="lies inside the destination"):
+        convert(src, str(tmp_path), to=to, progress=False)
+
+
+def test_nesting_is_judged_on_real_paths_and_url_components(tmp_path, monkeypatch):
+    src = _extreme(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    with pytest.raises(CheckpointError, match="inside the source"):
+        convert(src, str(link / "data" / "x"), to="omnickpt", progress=False)
+    monkeypatch.chdir(src)
+    with pytest.raises(CheckpointError, match="inside the source"):
+        convert(src, "data/../data/x", to="omnickpt", progress=False)
+    with pytest.raises(CheckpointError, match="inside the source"):
+        refuse_nested("s3://bucket/run/step_1", "fsspec+s3://bucket/run/step_1/data/x")
+    with pytest.raises(CheckpointError, match="inside the destination"):
+        refuse_nested("memory://run/step_1", "memory://run")
+    refuse_nested("s3://bucket/run/step_1", "s3://bucket/run/step_10")   # a sibling, not inside
+    refuse_nested("s3://bucket/run", "s3://other/run/x")
+    assert location("s3://b/a//c/./d") == ("s3", "b", "a", "c", "d")
+
+
+def test_convert_refuses_a_destination_inside_a_folder_the_incremental_source_references(tmp_path):
+    model = nn.Linear(64, 64)
+    a, b = str(tmp_path / "step_1"), str(tmp_path / "step_2")
+    omnickpt.save(a, {"model": model}, incremental=True)
+    omnickpt.save(b, {"model": model}, incremental=True, base=a)
+    with pytest.raises(CheckpointError, match="references"):
+        convert(b, os.path.join(a, "export"), to="omnickpt", progress=False)
+    convert(b, str(tmp_path / "elsewhere"), to="omnickpt", progress=False)
