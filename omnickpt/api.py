@@ -29,13 +29,13 @@ from omnickpt.engine.incremental import BLOCK_BYTES, Base, WriteMeta
 from omnickpt.engine.save import Incremental, data_file_name, stage_layout
 from omnickpt.engine.staging import gc_paused
 from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
-from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, PlanError, UnsupportedError,
-                             rebuild_error)
+from omnickpt.errors import (CheckpointError, CheckpointTimeoutError, MismatchError, NotCommittedError, PlanError,
+                             UnsafeCheckpointError, UnsupportedError, rebuild_error)
 from omnickpt.format import DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
 from omnickpt.format.codec import check_codec
-from omnickpt.format.quant import check_scheme, quantizable
+from omnickpt.format.quant import check_scheme, is_moment, quantizable
 from omnickpt.formats import bind_keys, read_manifest  # read_manifest: part of omnickpt's API
-from omnickpt.steps import step_dir, write_latest
+from omnickpt.steps import References, step_dir, write_latest
 from omnickpt.lease import acquire
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
@@ -43,7 +43,7 @@ from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, plan_r
 from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.planner.match import LoadMatch, Selection, match_targets
 from omnickpt.storage import Storage, storage_for
-from omnickpt.storage.linked import sibling_path, with_siblings
+from omnickpt.storage.linked import LinkedStorage, check_sibling_name, sibling_path, split_reference, with_siblings
 
 REPORT_NAME = "report.json"
 log = logging.getLogger("omnickpt")
@@ -259,19 +259,24 @@ class Checkpointer:
 
         def on_commit(manifest, _then=on_commit, _group=id(comm)):   # coordinator, after the commit
             self._committed[_group] = path
+            if held is not None:
+                # Committed: the manifest now names what this save references, so the records that
+                # protected it go before the caller's retention runs (which would keep their folders whole).
+                held.release()
             if _then is not None:
                 _then(manifest)
         prev = self._inflight.get(storage.describe())
         if prev is not None and not prev.done():
             raise CheckpointError(f"a save to {path} is still in progress; wait() for it before saving there again")
 
-        collected, error, chain = _Collected(), None, None
+        # held: the reference records of an incremental save on the folders it may reference (coordinator)
+        collected, error, chain, held = _Collected(), None, None, None
         try:
             collected = _collect(state, comm, timer, allow_pickle, check_replicas, role, metadata)
             if incremental and comm.is_coordinator:
                 with timer.phase("plan"):
-                    chain = _chain_base(path, base, full_every, block_bytes or BLOCK_BYTES,
-                                        self._committed.get(id(comm)))
+                    chain, held = _chain_base(path, base, full_every, block_bytes or BLOCK_BYTES,
+                                              self._committed.get(id(comm)), holder=self._job)
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             error = e
         with timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
@@ -310,8 +315,10 @@ class Checkpointer:
                                 compression=compression or ("none" if quantize_optimizer else None),
                                 itemsizes=[s.local.element_size() for s in shards],
                                 codecs=codecs, dtypes=[dtype_name(s.dtype) for s in shards] if codecs else (),
-                                incremental=_incremental_job(gathered[0][5], collected, writes) if incremental
+                                incremental=_incremental_job(gathered[0][5], collected, writes, path) if incremental
                                 else None)
+        if held is not None:
+            job = _releasing(job, held)   # a failed save gives its reference records back too
         if not async_save:
             report = job()
             return SaveHandle(path, save_id, storage, None, report, comm.is_coordinator, self.timeout)
@@ -764,15 +771,17 @@ def _check_incremental(incremental: bool, base: str | None, full_every: int | No
 
 
 def _quantized_writes(state: dict, shards: list, scheme: str | None) -> list[str | None]:
-    """Per write: the quantization scheme of its chunks or None. Only the floating tensors of the
-    state's optimizers (moments, momentum buffers), never their step counts nor any weight."""
+    """Per write: the quantization scheme of its chunks or None. Only the moments of the state's
+    optimizers (format/quant.py MOMENTS: exp_avg, exp_avg_sq, momentum buffers, ...), never their step
+    counts, any weight, nor optimizer state that stands for weights or never fades (ASGD's ax,
+    Rprop's step sizes, Adagrad's sum, NAdam's mu_product): the docs promise moments only."""
     if scheme is None:
         return []
-    keys = tuple(f"{k}/" for k, v in state.items() if isinstance(v, torch.optim.Optimizer))
-    out = [scheme if s.name.startswith(keys) and not s.name.endswith("/step") and quantizable(dtype_name(s.dtype))
+    keys = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    out = [scheme if any(is_moment(s.name, k) for k in keys) and quantizable(dtype_name(s.dtype))
            and s.local.numel() > 0 else None for s in shards]
     if keys and not any(out):
-        log.info("omnickpt: quantize_optimizer=%r: the optimizers hold no floating-point state to quantize", scheme)
+        log.info("omnickpt: quantize_optimizer=%r: the optimizers hold no moments to quantize", scheme)
     return out
 
 
@@ -790,15 +799,24 @@ def _next_to(path: str, other: str) -> str | None:
 
 
 def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES,
-                previous: str | None = None) -> tuple[bytes | None, str | None, int, int]:
-    """Coordinator of an incremental save: (the base's manifest, the base's folder name (None: the
+                previous: str | None = None, holder: str = "omnickpt"
+                ) -> tuple[tuple[bytes | None, str | None, int, int], References | None]:
+    """Coordinator of an incremental save: ((the base's manifest, the base's folder name (None: the
     checkpoint at `path` itself), this save's place in the chain: 0 for a full save, the block
-    size). Without `base`: the checkpoint at `path` if there is one, else `previous` (the last one
-    this Checkpointer committed) if it lies next to `path`. A full save when there is no base yet,
-    the base holds no block hashes (an ordinary save) or hashes of another block size, or the chain
-    has reached full_every; a base given but absent or damaged is an error (nothing is written)."""
+    size), the reference records it holds or None). Without `base`: the checkpoint at `path` if
+    there is one, else `previous` (the last one this Checkpointer committed) if it lies next to
+    `path`. A full save when there is no base yet, the base holds no block hashes (an ordinary
+    save) or hashes of another block size, or the chain has reached full_every; a base given but
+    absent, damaged, hidden or not next to `path` is an error (nothing is written).
+
+    Before the base's manifest is read, a reference record (steps.References, of job `holder`) goes
+    into the base's folder, then into every folder next to it whose files the manifest names, so
+    that no save, garbage collection or retention removes what this save is about to reference
+    (given back once it ends; each rank then checks the files it references: Base.drop_unreadable)."""
+    full = (None, None, 0, block_bytes)
     if base is None and previous is not None and not storage_for(path).exists(MANIFEST_NAME):
-        if _next_to(path, previous) and storage_for(previous).exists(MANIFEST_NAME):
+        found = _next_to(path, previous)
+        if found and _base_name(found) and storage_for(previous).exists(MANIFEST_NAME):
             base = previous
     where = path if base is None else str(base)
     name = None
@@ -807,28 +825,105 @@ def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes
         if found is None:
             raise ValueError(f"base={base!r}: an incremental checkpoint references data of a checkpoint folder next "
                              f"to it; {path} and {base} are not in the same folder")
+        if found and not _base_name(found):
+            raise UnsafeCheckpointError(
+                f"base={base!r}: {storage_for(where).describe()} is not a folder a checkpoint may reference (a hidden "
+                f"folder, or a name with ':' or '\\'); the base of an incremental save must be a committed omnickpt "
+                f"checkpoint folder next to {path}")
         name = found or None   # "": the checkpoint this save replaces
     store = storage_for(where)
     if not store.exists(MANIFEST_NAME):
         if base is not None and name is not None:
-            raise CheckpointError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing)")
-        return None, None, 0, block_bytes
-    data = store.read_bytes(MANIFEST_NAME)
+            raise NotCommittedError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing); "
+                                    f"the base of an incremental save must be a committed checkpoint folder next to "
+                                    f"{path}")
+        return full, None
+    held = References(holder, f"incremental save to {path}")
     try:
-        head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
-    except CheckpointError as e:
-        if base is not None and name is not None:
-            raise
-        # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
-        log.warning("omnickpt: incremental save over %s: its manifest cannot be read (%s); saving in full", path, e)
-        return None, None, 0, block_bytes
-    if (head.block_bytes != block_bytes or head.compression
-            or (full_every is not None and head.chain + 1 >= full_every)):
-        return None, None, 0, block_bytes
-    return data, name, head.chain + 1, block_bytes
+        if name is not None and not _hold(held, store, path):
+            return full, None
+        try:
+            data = store.read_bytes(MANIFEST_NAME)   # after the record (the protocol of omnickpt/steps.py)
+        except FileNotFoundError:   # retired since: no base after all
+            if base is not None and name is not None:
+                raise NotCommittedError(f"base={base!r}: its checkpoint was removed as this save started "
+                                        f"({store.describe(MANIFEST_NAME)} is gone)") from None
+            held.release()
+            return full, None
+        try:
+            head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
+            folders = _base_folders(head, name)
+        except CheckpointError as e:
+            if base is not None and name is not None:
+                raise
+            # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
+            log.warning("omnickpt: incremental save over %s: its manifest cannot be used (%s); saving in full", path, e)
+            held.release()
+            return full, None
+        if (head.block_bytes != block_bytes or head.compression
+                or (full_every is not None and head.chain + 1 >= full_every)):
+            held.release()
+            return full, None
+        for other in sorted(folders - {name, _folder_name(path)}):
+            if not _hold(held, storage_for(sibling_path(path, other)), path):
+                return full, None
+        return (data, name, head.chain + 1, block_bytes), held
+    except BaseException:
+        held.release()
+        raise
 
 
-def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[[], tuple]:
+def _hold(held: References, storage: Storage, path: str) -> bool:
+    """Put a reference record of the save to `path` into the folder of `storage`; if that fails (a
+    read-only or vanished folder), give back every record held and say False: data that nothing
+    protects is not referenced, the save writes it in full (and still succeeds)."""
+    try:
+        held.hold(storage)
+        return True
+    except (CheckpointError, OSError) as e:
+        log.warning("omnickpt: incremental save to %s: cannot record in %s that it references data there (%s: %s); "
+                    "saving in full", path, storage.describe(), type(e).__name__, e)
+        held.release()
+        return False
+
+
+def _folder_name(path: str) -> str:
+    return str(path).rstrip("/").rpartition("/")[2]
+
+
+def _base_name(name: str) -> bool:
+    """Whether a reference may name the folder `name` (storage.linked.check_sibling_name: not hidden)."""
+    try:
+        check_sibling_name(name, name)
+        return True
+    except UnsafeCheckpointError:
+        return False
+
+
+def _base_folders(head: Manifest, name: str | None) -> set[str]:
+    """The folders next to the new checkpoint whose data files a base's manifest (untrusted) names,
+    as the new checkpoint will reference them; UnsafeCheckpointError for a file a reference may not
+    name (storage.linked.split_reference: not a data file, a hidden folder)."""
+    folders = set()
+    for f in head.files:
+        rel = f.path if name is None or f.path.startswith("../") else f"../{name}/{f.path}"
+        found = split_reference(rel)
+        if found is not None:
+            folders.add(found[0])
+    return folders
+
+
+def _releasing(job: Callable[[], Any], held: References) -> Callable[[], Any]:
+    """`job`, then the reference records `held` given back, whatever its outcome."""
+    def run():
+        try:
+            return job()
+        finally:
+            held.release()
+    return run
+
+
+def _incremental_job(chain: tuple, collected: "_Collected", writes, path: str) -> Callable[[], tuple]:
     """This rank's part of an incremental save, made in the background persist (the base's
     manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
     data, name, depth, block_bytes = chain
@@ -839,7 +934,8 @@ def _incremental_job(chain: tuple, collected: "_Collected", writes) -> Callable[
         base = None
         if data is not None:
             manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})
-            base = Base(manifest, name)
+            # Reads the sizes of the base files this rank references (through the folders next to `path`).
+            base = Base(manifest, name, LinkedStorage(storage_for(path), path), own=_folder_name(path))
         return (Incremental(metas, base, block_bytes),
                 {"block_bytes": block_bytes, "base": name if data is not None else None, "chain": depth})
     return make
@@ -1055,10 +1151,16 @@ def save(path, state: dict, *, async_save: bool = False, process_group: Any = No
     the block: smaller blocks write fewer bytes where scattered rows change, but cut the checkpoint
     into more boxes (runs of rows), each costing the load a little. Loading is unchanged; retention of
     a CheckpointManager keeps referenced data (CheckpointManager(incremental=True) does all this).
-    quantize_optimizer="int8" or "fp8" (lossy, opt-in) stores the floating state of every
-    torch.optim.Optimizer in `state` quantized, one scale per 256 elements: 3.9x smaller in fp32;
-    weights and step counts stay exact. The manifest records per tensor the scheme and the largest
-    error measured (`omnickpt.open(path).manifest.quantized`); a load's report lists them.
+    quantize_optimizer="int8" or "fp8" (lossy, opt-in) stores the moments of every
+    torch.optim.Optimizer in `state` quantized, one scale per 256 elements (3.9x smaller in fp32):
+    the state keys exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer, square_avg, grad_avg,
+    acc_delta, exp_inf and variance (format/quant.py MOMENTS). Everything else stays exact: weights,
+    step counts and the optimizer state that does not fade (Adagrad's sum, ASGD's ax / eta / mu,
+    NAdam's mu_product, Rprop's prev / step_size). A chunk holding a value the scheme cannot
+    represent (nan, inf, float64 beyond float32's range, a non-zero value that would read back as 0
+    or a finite one as inf) is stored exactly, raw. The manifest records per quantized tensor the
+    scheme and the largest error measured (`omnickpt.open(path).manifest.quantized`); a load's report
+    lists them.
     """
     check_framework(state, framework)
     if fast_saving is not None:

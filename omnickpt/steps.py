@@ -4,10 +4,22 @@ pointer and which steps retention retires. One module, used by both managers, th
 
 A step folder is a checkpoint once its manifest is there (the manifest is written last); removing
 one removes its manifest first, so a removal that stops halfway never leaves a folder that looks
-loadable but is not. An incremental checkpoint's manifest names data files of older sibling step
-folders ("base" records): retention never deletes a file that a kept checkpoint names, but strips
-such a folder to those files (manifest first) and removes it whole on a later pass, once no kept
-checkpoint names any of them; if a kept checkpoint's references cannot be read, it removes nothing.
+loadable but is not.
+
+References. An incremental checkpoint's manifest names data files of folders next to it ("base"
+records). What may be removed from a folder is decided here, for retention, the garbage collection
+after a save into a folder (engine/save.py) and the removal of a failed save's folder, by one rule:
+no data file is removed that the manifest of any committed checkpoint next to it names (any folder
+with a manifest, step or not: read from its header), nor while a save in flight holds a reference
+record in the folder (REFS_DIR: it may be about to reference any file there), nor in a folder that
+another save is writing (a live owner record, omnickpt/lease.py). The reference record is a lease
+record (renewed while the save runs, stale once its process is gone or its ttl passed), taken by an
+incremental save on every folder it may reference before it reads the base's manifest, and given
+back after its commit; a remover deletes a folder's manifest first and only then looks for records
+and reads the references, so either the save sees no manifest (and does not take that base) or
+the remover sees its record (or, once it committed, its manifest). If any manifest's references
+cannot be read, the files stay (with a warning). A retired folder that still holds referenced files
+is stripped to them (manifest first) and removed whole on a later pass, once nothing names them.
 """
 from __future__ import annotations
 
@@ -15,14 +27,23 @@ import json
 import logging
 import re
 import struct
+import time
+import uuid
+import weakref
 from typing import Callable, Iterable
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError
-from omnickpt.format import FORMAT_VERSION, MAGIC, MANIFEST_NAME
-from omnickpt.storage import Storage
+from omnickpt.format import CONTROL_DIR, FORMAT_VERSION, MAGIC, MANIFEST_NAME
+from omnickpt.lease import OWNER_RECORD, Lease, acquire
+from omnickpt.lease import _identity, _read_record, _stale   # a record's liveness, judged as a lease's owner is
+from omnickpt.storage import Storage, storage_for
+from omnickpt.storage.linked import parent_path
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")   # a CheckpointManager's (and ByteCheckpoint's) step folders
 LATEST_NAME = "latest"
+# Reference records of saves in flight that may reference a folder's data: <folder>/.omnickpt/refs/<id>.json,
+# each a lease record (omnickpt/lease.py) of the saving job.
+REFS_DIR = f"{CONTROL_DIR}/refs"
 # The version-3 manifest's prelude (format/manifest.py): magic, version, header bytes, array bytes, crc, reserved.
 _PRELUDE = struct.Struct("<8sIIQII")
 _log = logging.getLogger("omnickpt")
@@ -126,41 +147,56 @@ def referenced_files(storage: Storage, folder: str) -> set[tuple[str, str]]:
 def retire(storage: Storage, keep: int | None, upto: int, pinned: Iterable[int] = (), rel: str = "",
            complete: Callable[[Storage, str], bool] | None = None) -> list[int]:
     """Apply `retired` to the step folders in `rel`; returns the steps removed or stripped. A step
-    folder that a kept checkpoint (committed and not retired, newer steps included) takes files
-    from loses its manifest and every other file, keeping just those; a later pass removes it once
-    no kept checkpoint names them. If the references of a kept checkpoint cannot be read, nothing
-    is removed (with a warning): whatever is removed might be what it names."""
+    folder that a committed checkpoint next to it (kept steps, newer ones, any other folder with a
+    manifest) takes files from loses its manifest and every other file, keeping just those; a later
+    pass removes it once nothing names them. A folder another save is writing is left for a later
+    pass; one that a save in flight holds a reference record in loses only its manifest. If the
+    references of a committed checkpoint cannot be read, nothing is removed (with a warning):
+    whatever is removed might be what it names."""
     if keep is None:
         return []
-    folders = step_folders(storage, rel)
+    folders = dict((s, name) for s, name in step_folders(storage, rel))
     committed = committed_steps(storage, rel, complete)
-    gone = retired({s for s, _ in folders}, committed, keep, upto, pinned)
+    # A folder another save is writing right now (another manager of this process, a save over an
+    # old step): not this pass's to remove, whatever it holds.
+    gone = sorted(s for s in retired(set(folders), committed, keep, upto, pinned)
+                  if not _in_flight(storage, _join(rel, folders[s])))
     if not gone:
         return []
+    leaving = {folders[s] for s in gone}
+    try:
+        references_among(storage, rel, skip=leaving)   # unreadable: remove nothing, manifests included
+    except (CheckpointError, OSError) as e:
+        _log.warning("omnickpt: retention removes no checkpoint in %s this time: %s", storage.describe(rel), e)
+        return []
+    for s in gone:
+        # No checkpoint any more: a save that has not read its manifest yet will not take it as its base.
+        storage.delete(f"{_join(rel, folders[s])}/{MANIFEST_NAME}")
+    # Only now: records of saves that read a manifest before it went, and the references of saves
+    # that committed since (they give their records back only after their commit).
+    held = {s for s in gone if live_references(storage, _join(rel, folders[s]))}
+    try:
+        named = references_among(storage, rel, skip=leaving)
+    except (CheckpointError, OSError) as e:
+        _log.warning("omnickpt: retention keeps the data of step(s) %s in %s this time (their manifests are "
+                     "removed): %s", gone, storage.describe(rel), e)
+        return gone
+    for s in gone:
+        if s not in held:
+            _release_folder(storage, _join(rel, folders[s]), named.get(folders[s], set()))
+    return gone
 
-    def path(name: str) -> str:
-        return f"{rel}/{name}" if rel else name
-    kept = set(committed) - gone
-    named: dict[str, set[str]] = {}    # sibling folder -> its files that kept checkpoints name
-    for s, name in folders:
-        if s not in kept:
-            continue
-        try:
-            refs = referenced_files(storage, path(name))
-        except (CheckpointError, OSError) as e:
-            _log.warning("omnickpt: retention removes no checkpoint in %s this time: the files that step %d uses "
-                         "from other steps cannot be read (%s)", storage.describe(rel), s, e)
-            return []
-        for base, inner in refs:
-            named.setdefault(base, set()).add(inner)
-    for s, name in folders:
-        if s not in gone:
-            continue
-        if not named.get(name):
-            remove_step(storage, path(name))
-        else:
-            _strip_step(storage, path(name), named[name])
-    return sorted(gone)
+
+def _join(rel: str, name: str) -> str:
+    return f"{rel}/{name}" if rel else name
+
+
+def _release_folder(storage: Storage, folder: str, keep: set[str]) -> None:
+    """Remove `folder` (no checkpoint any more), or strip it to the files `keep` that others name."""
+    if keep:
+        _strip_step(storage, folder, keep)
+    else:
+        remove_step(storage, folder)
 
 
 def _strip_step(storage: Storage, folder: str, keep: set[str]) -> None:
@@ -173,3 +209,112 @@ def _strip_step(storage: Storage, folder: str, keep: set[str]) -> None:
         # list() gives paths relative to the storage, `folder` included
         if f.startswith(head) and f[len(head):] not in keep:
             storage.delete(f)
+
+
+def discard_folder(storage: Storage, folder: str) -> None:
+    """Remove the folder `folder` (relative to `storage`, the root of its siblings) of a save that
+    failed, unless it holds a committed checkpoint; the files that checkpoints next to it reference
+    stay (a retired step stripped to them, saved into again), and all of them while a save in flight
+    holds a reference record there or the references cannot be read."""
+    if storage.exists(f"{folder}/{MANIFEST_NAME}"):
+        return
+    if live_references(storage, folder):
+        return
+    parent, _, name = folder.rstrip("/").rpartition("/")
+    try:
+        named = references_among(storage, parent, skip={name})
+    except (CheckpointError, OSError) as e:
+        _log.warning("omnickpt: %s of a failed save is kept: %s", storage.describe(folder), e)
+        return
+    _release_folder(storage, folder, named.get(name, set()))
+
+
+# ---------------------------------------------------------------------- references between folders
+def references_among(storage: Storage, rel: str = "", skip: Iterable[str] = ()) -> dict[str, set[str]]:
+    """Folder name -> the files inside it that the committed checkpoints in `rel` take from it: every
+    folder with a manifest (step folders or not) except the names in `skip`. A manifest that cannot
+    be read raises CorruptCheckpointError (StorageError...: the storage's) naming its step or folder:
+    the caller must then assume anything is named."""
+    skip = set(skip)
+    named: dict[str, set[str]] = {}
+    for name in storage.children(rel):
+        if name in skip or name == CONTROL_DIR:
+            continue
+        try:
+            refs = referenced_files(storage, _join(rel, name))
+        except (CheckpointError, OSError) as e:
+            step = parse_step(name)
+            raise CorruptCheckpointError(f"the files that {f'step {step}' if step is not None else repr(name)} uses "
+                                         f"from other folders cannot be read ({e})") from e
+        for base, inner in refs:
+            named.setdefault(base, set()).add(inner)
+    return named
+
+
+def references_here(storage: Storage) -> set[str] | None:
+    """The data files (paths inside it) of the checkpoint at `storage` that the committed
+    checkpoints next to it reference, found by reading their manifests' headers. None when none of
+    its files may go: a save in flight holds a reference record here (it may reference any of
+    them), or a neighbour's references cannot be read (with a warning)."""
+    if live_references(storage):
+        return None
+    root = str(storage.root).rstrip("/")
+    try:
+        parent = parent_path(root)
+    except ValueError:
+        return set()    # nothing holds it (a bucket's or file system's root): it has no neighbours
+    name = root.rpartition("/")[2]
+    try:
+        return references_among(storage_for(parent), skip={name}).get(name, set())
+    except (CheckpointError, OSError) as e:
+        _log.warning("omnickpt: %s keeps the data files of its earlier saves: %s", storage.describe(), e)
+        return None
+
+
+class References:
+    """The reference records one save in flight holds (REFS_DIR), one per folder whose data it may
+    reference; release() gives them all back (also when the object is collected, or the process
+    ends: the records go stale)."""
+
+    def __init__(self, holder: str, what: str):
+        self.holder, self.what = holder, what
+        self._leases: list[Lease] = []
+        self._release = weakref.finalize(self, _release_all, self._leases)
+
+    def hold(self, storage: Storage) -> None:
+        """Record in the folder of `storage`, before reading its manifest, that this save may use its
+        data. Raises as the storage does (the caller must then not reference that folder)."""
+        self._leases.append(acquire(storage, self.holder, what=self.what,
+                                    record=f"{REFS_DIR}/{uuid.uuid4().hex}.json"))
+
+    def release(self) -> None:
+        self._release()
+
+
+def _release_all(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()
+
+
+def live_references(storage: Storage, folder: str = "") -> int:
+    """How many saves in flight hold a reference record in `folder`. Records of saves that ended
+    without giving them back (their process is gone, or they were not renewed within their ttl)
+    are removed."""
+    where = _join(folder, REFS_DIR)
+    live, me, now = 0, _identity(), time.time()
+    for name in storage.children(where):
+        record = f"{where}/{name}"
+        doc = _read_record(storage, record)
+        if doc is None:
+            continue
+        if _stale(doc, me, now) is None:
+            live += 1
+        else:
+            storage.delete(record)
+    return live
+
+
+def _in_flight(storage: Storage, folder: str) -> bool:
+    """Whether a save into `folder` is under way: its owner record is live."""
+    doc = _read_record(storage, f"{folder}/{OWNER_RECORD}")
+    return doc is not None and _stale(doc, _identity(), time.time()) is None

@@ -16,18 +16,27 @@ bytes, not copied from the base: a block wrongly taken as unchanged (a base dama
 hash collision at 2^-64) then fails its checksum at load and verify instead of loading wrong.
 
 References are flattened: a block the base itself referenced points at the file it lies in, so
-a load never follows a chain, and retention (omnickpt/steps.py) keeps a folder whose data a kept
-checkpoint references. The engine never reads the base's data, only its manifest.
+a load never follows a chain, and retention and garbage collection (omnickpt/steps.py) keep every
+file a checkpoint next to it references. The engine never reads the base's data, only its manifest
+and the size of each file it is about to reference: a file gone or shorter than the manifest says
+(deleted, expired, cut short) is not referenced; its blocks are written by this save instead, with
+a warning naming the file. Writing them is what a user wants of a save taken during training:
+the new checkpoint complete and loadable, rather than a failed save over an old checkpoint's loss.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
+from omnickpt.errors import CheckpointError
 from omnickpt.format import Manifest, dtype_from_name
+from omnickpt.storage import Storage
+
+_log = logging.getLogger("omnickpt")
 
 BLOCK_BYTES = 64 << 10    # one changed embedding row rewrites at most this many bytes
 
@@ -79,18 +88,47 @@ class WriteMeta:
 
 class Base:
     """The base checkpoint of an incremental save, as this rank compares against it. `name`: the
-    base's folder next to the new checkpoint, None when it is the same folder (a save over it)."""
+    base's folder next to the new checkpoint, None when it is the same folder (a save over it).
+    `storage`: the new checkpoint's storage that also reads the folders next to it
+    (storage.linked.LinkedStorage), to check the files it references (None: not checked); `own`:
+    the new checkpoint's folder name."""
 
-    def __init__(self, manifest: Manifest, name: str | None):
-        self.manifest, self.name = manifest, name
+    def __init__(self, manifest: Manifest, name: str | None, storage: Storage | None = None, own: str | None = None):
+        self.manifest, self.name, self.storage, self.own = manifest, name, storage, own
         self.block_bytes = manifest.block_bytes
         self.usable = bool(manifest.block_bytes) and manifest.compression is None
         self._boxes: dict[str, dict | None] = {}
+        self._checked: set[int] = set()
+        self._lost = np.zeros(len(manifest.files), dtype=bool)    # files not to reference (drop_unreadable)
 
     def file_path(self, i: int) -> str:
-        """Base file i as the new checkpoint names it (flattened: a base's own reference stays)."""
+        """Base file i as the new checkpoint names it (flattened: a base's own reference stays; one
+        to the new checkpoint's own folder is a file of its own)."""
         path = self.manifest.files[i].path
+        if self.own and path.startswith(f"../{self.own}/"):
+            return path[len(self.own) + 4:]
         return path if self.name is None or path.startswith("../") else f"../{self.name}/{path}"
+
+    def drop_unreadable(self, files: Iterable[int]) -> bool:
+        """Check the base files `files` (indices) that a plan references: one gone, shorter than the
+        base's manifest says, or not one a reference may name is dropped (never referenced; its
+        blocks count as changed), with a warning naming it. True if any was dropped."""
+        if self.storage is None:
+            return False
+        dropped = False
+        for i in sorted(set(files) - self._checked):
+            self._checked.add(i)
+            rel, want = self.file_path(i), self.manifest.files[i].bytes
+            try:
+                size = self.storage.size(rel)
+                problem = None if size >= want else f"has {size} bytes, the base's manifest says {want}"
+            except (OSError, CheckpointError) as e:
+                problem = f"cannot be read ({type(e).__name__}: {e})"
+            if problem is not None:
+                self._lost[i], dropped = True, True
+                _log.warning("omnickpt: incremental save: base file %s %s; its unchanged blocks are written by this "
+                             "save instead of referenced", self.storage.describe(rel), problem)
+        return dropped
 
     def _index(self, meta: WriteMeta) -> dict | None:
         """Per extent on the other dimensions: the base boxes of this tensor sorted by first row,
@@ -142,6 +180,7 @@ class Base:
         at = np.where(ok, first[k] + (rows - start[k]) // rpb, 0)
         base_hashes = index["hashes"]
         ok &= (at < len(base_hashes)) & (base_hashes[np.minimum(at, len(base_hashes) - 1)] == hashes)
+        ok &= ~self._lost[file[k]]
         row_bytes = math.prod(meta.lengths[1:]) * meta.itemsize
         return ok, file[k], offset[k] + (rows - start[k]) * row_bytes
 

@@ -20,6 +20,7 @@ from omnickpt.format import (CHUNK_BYTES, CONTROL_DIR, ColumnTable, DATA_DIR, FO
 from omnickpt.format.codec import encode_chunk
 from omnickpt.engine.incremental import Base, WriteMeta, block_hashes, plan_pieces, rows_per_block
 from omnickpt.lease import OWNER_RECORD
+from omnickpt.steps import REFS_DIR, references_here
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import GlobalPlan, WriteItem
 from omnickpt.planner.save_plan import ALIGN
@@ -482,6 +483,10 @@ def _persist_incremental(storage: Storage, snap: Snapshot, rank: int, save_id: s
                                     tasks)) if executor is not None and len(tasks) > 1 else
                   [block_hashes(sp, m.lengths, m.itemsize, inc.block_bytes) for sp, m in tasks])
         runs = [plan_pieces(m, h, inc.base, inc.block_bytes) for m, h in zip(inc.metas, hashes)]
+        # The base files this rank would reference must still be there (after the reference records
+        # the coordinator holds on their folders, so nothing removes them once checked).
+        if inc.base is not None and inc.base.drop_unreadable({r[2] for rs in runs for r in rs if r[2] is not None}):
+            runs = [plan_pieces(m, h, inc.base, inc.block_bytes) for m, h in zip(inc.metas, hashes)]
     segments, pieces, views, refs, pos = [], [], [], {}, 0
     referenced = 0
     for span, meta, write_runs in zip(snap.spans, inc.metas, runs):
@@ -738,14 +743,23 @@ def _piece_boxes(plan: GlobalPlan, results: list[RankResult], file_index: dict[i
 
 
 def collect_garbage(storage: Storage, manifest: Manifest) -> None:
-    """After a commit: remove data and control files of earlier or interrupted saves here."""
-    keep = {f.path for f in manifest.files}
-    for rel in storage.list(DATA_DIR):
-        if rel not in keep:
+    """After a commit: remove data and control files of earlier or interrupted saves here, but no
+    data file that a committed checkpoint next to this one references (one that took this folder as
+    its base), and none at all while a save in flight holds a reference record here (the rule of
+    omnickpt/steps.py). The neighbours' manifests are read only when there is something to remove."""
+    own = f"../{str(storage.root).rstrip('/').rpartition('/')[2]}/"
+    # A reference to this very folder through its parent (written by an earlier version) is a file of its own.
+    keep = {f.path[len(own):] if f.path.startswith(own) else f.path for f in manifest.files}
+    old = [rel for rel in storage.list(DATA_DIR) if rel not in keep]
+    used = references_here(storage) if old else set()
+    for rel in old:
+        if used is not None and rel not in used:
             storage.delete(rel)
     for name in storage.children(CONTROL_DIR):
-        if name != manifest.save_id and f"{CONTROL_DIR}/{name}" != OWNER_RECORD:   # the lease is the job's
-            storage.delete_tree(f"{CONTROL_DIR}/{name}")
+        rel = f"{CONTROL_DIR}/{name}"
+        # the lease is the job's; reference records are other saves' (steps.live_references expires them)
+        if name != manifest.save_id and rel != OWNER_RECORD and rel != REFS_DIR:
+            storage.delete_tree(rel)
 
 
 

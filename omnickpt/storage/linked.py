@@ -2,7 +2,9 @@
 checkpoint (the folder next to it, under the same root), written "../<sibling>/<path inside it>".
 LinkedStorage serves those paths from the sibling's own storage and every other path from the
 checkpoint's storage, so the reader needs no notion of siblings. A checkpoint never writes into a
-sibling: writes and deletes of "../" paths are refused.
+sibling: writes and deletes of "../" paths are refused. A reference read from a manifest is
+untrusted: it may only name a data file ("data/<file>") of a sibling folder that is not hidden, so
+no manifest can make a load open (and show the size of) anything else next to it, such as ~/.ssh.
 
     storage = with_siblings(storage_for(path), path, manifest.files)
 """
@@ -17,16 +19,16 @@ from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from omnickpt.storage.base import Storage
 
 _UP = "../"
+# The folder of a checkpoint's data files (format.DATA_DIR: the storage layer imports nothing above it).
+_DATA = "data"
 
 
-def sibling_path(path: str, name: str) -> str:
-    """The path (or URL) of the folder `name` next to the checkpoint `path`: same parent, same
-    scheme. ValueError if `path` has no parent to go up from: a file system's root, or a URL with
-    nothing under its bucket / job / host ("s3://bucket" alone), whose parent is no folder of the
-    same storage."""
+def parent_path(path: str) -> str:
+    """The path (or URL) of the folder that holds the checkpoint `path`: where its siblings lie
+    ("" for a relative path of one component: the working directory). ValueError if `path` has no
+    parent to go up from: a file system's root, or a URL with nothing under its bucket / job / host
+    ("s3://bucket" alone), whose parent is no folder of the same storage."""
     path = str(path)
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"{name!r} is not a folder name (one path component)")
     if "::" in path:
         # fsspec chained URLs ("simplecache::s3://b/ck/step"): a leading pure protocol wraps the
         # rest, which holds the path; where a layer carries a path of its own ("zip://m::s3://..."),
@@ -34,9 +36,9 @@ def sibling_path(path: str, name: str) -> str:
         outer, _, inner = path.partition("::")
         if "://" in outer or "/" in outer:
             raise ValueError(f"{path}: cannot tell the parent folder of a chained URL whose outer layer has a path")
-        return f"{outer}::{sibling_path(inner, name)}"
+        return f"{outer}::{parent_path(inner)}"
     if path.startswith("file://"):
-        return "file://" + _local_sibling(path[len("file://"):], name, path)
+        return "file://" + _local_parent(path[len("file://"):], path)
     if "://" in path:
         scheme, _, rest = path.partition("://")
         # The first component is the bucket (s3://), the job (shm://) or the host / top folder
@@ -47,12 +49,32 @@ def sibling_path(path: str, name: str) -> str:
                              f"{scheme}://{parts[0] if parts else ''})")
         if parts[-1] in (".", ".."):
             raise ValueError(f"{path}: ends in {parts[-1]!r}; name the checkpoint folder itself")
-        return f"{scheme}://{'/'.join(parts[:-1] + [name])}"
-    return _local_sibling(path, name, path)
+        # "fsspec+file:///abs/ck": the path is absolute, and stays so
+        return f"{scheme}://{'/' if rest.startswith('/') else ''}{'/'.join(parts[:-1])}"
+    return _local_parent(path, path)
 
 
-def _local_sibling(local: str, name: str, said: str) -> str:
-    """sibling_path of a local path: relative paths stay relative (the storage resolves them the
+def sibling_path(path: str, name: str) -> str:
+    """The path (or URL) of the folder `name` next to the checkpoint `path`: same parent, same
+    scheme. ValueError as parent_path, or if `name` is not one folder name."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a folder name (one path component)")
+    return _child(parent_path(path), name)
+
+
+def _child(parent: str, name: str) -> str:
+    if "::" in parent:
+        outer, _, inner = parent.partition("::")
+        return f"{outer}::{_child(inner, name)}"
+    if parent.startswith("file://"):
+        return "file://" + _child(parent[len("file://"):], name)
+    if "://" in parent:
+        return f"{parent}/{name}"
+    return posixpath.join(parent, name) if parent else name
+
+
+def _local_parent(local: str, said: str) -> str:
+    """parent_path of a local path: relative paths stay relative (the storage resolves them the
     same way), unless the last component is ".", ".." or "~", which only the file system can name."""
     p = local.rstrip("/")
     if not p:
@@ -63,30 +85,36 @@ def _local_sibling(local: str, name: str, said: str) -> str:
         head, tail = posixpath.split(p)
         if not tail:
             raise ValueError(f"{said}: the file system's root has no parent folder")
-    return posixpath.join(head, name) if head else name
+    return head
 
 
 def check_sibling_name(name: str, rel: str) -> str:
-    """`name` when it can name a sibling folder (one path component, not "." or ".."); else
-    UnsafeCheckpointError: a manifest must not reach anywhere but next to its own folder."""
-    if not name or name in (".", "..") or any(c in name for c in ("/", "\\", ":", "\x00")):
+    """`name` when it can name a sibling checkpoint folder (one path component, not hidden: no
+    checkpoint lives in ".ssh" or ".omnickpt"); else UnsafeCheckpointError: a manifest must not
+    reach anywhere but the checkpoints next to its own folder."""
+    if not name or name.startswith(".") or any(c in name for c in ("/", "\\", ":", "\x00")):
         raise UnsafeCheckpointError(
-            f"data file path {rel!r} names {name!r} as its sibling checkpoint, which is not one folder name; "
-            "refusing to read it (a manifest may only name files of its own or of a sibling checkpoint)")
+            f"data file path {rel!r} names {name!r} as its sibling checkpoint, which is not the name of a checkpoint "
+            "folder (one folder name, not hidden); refusing to read it (a manifest may only name files of its own "
+            "or data files of a sibling checkpoint)")
     return name
 
 
-def _split(rel: str) -> tuple[str, str] | None:
-    """(sibling name, path inside it) of a "../<name>/<rest>" path; None for a path of its own."""
+def split_reference(rel: str) -> tuple[str, str] | None:
+    """(sibling name, path inside it) of a "../<name>/data/<file>" path; None for a path of the
+    checkpoint's own; UnsafeCheckpointError for any other "../" path (a hidden or odd folder, a
+    file that is not one of the sibling's data files)."""
     if not rel.startswith(_UP):
         return None
     name, _, rest = rel[len(_UP):].partition("/")
     check_sibling_name(name, rel)
     parts = rest.split("/")
-    # The rest stays inside the sibling: no "..", ".", empty or odd components.
-    if not rest or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
+    # The rest is one of the sibling's data files: no "..", ".", hidden, empty or odd components.
+    if (len(parts) != 2 or parts[0] != _DATA or not parts[1] or parts[1].startswith(".")
+            or any("\\" in p or "\x00" in p for p in parts)):
         raise UnsafeCheckpointError(
-            f"data file path {rel!r} does not name a file inside the sibling checkpoint {name!r}; refusing to read it")
+            f"data file path {rel!r} does not name a data file of the sibling checkpoint {name!r} ({name}/{_DATA}/"
+            "<file>); refusing to read it (a manifest may only reference the data files of a sibling checkpoint)")
     return name, rest
 
 
@@ -115,7 +143,7 @@ class LinkedStorage:
             return st
 
     def _route(self, rel: str) -> tuple[Storage, str]:
-        found = _split(rel)
+        found = split_reference(rel)
         if found is None:
             return self._storage, rel
         return self.sibling(found[0]), found[1]
@@ -124,7 +152,7 @@ class LinkedStorage:
     def _missing(self, rel: str, error: BaseException) -> BaseException:
         """A referenced file that is gone: say whose it is and what to do (the sibling's storage only
         knows that one of its files is missing)."""
-        found = _split(rel)
+        found = split_reference(rel)
         if found is None or not isinstance(error, (FileNotFoundError, CorruptCheckpointError)):
             return error
         return CorruptCheckpointError(
@@ -200,7 +228,9 @@ class LinkedStorage:
 
 def with_siblings(storage: Storage, path: str, files: Iterable) -> Storage:
     """`storage` wrapped in a LinkedStorage when any of `files` (FileEntry) lies in a sibling
-    checkpoint; `storage` itself otherwise, so a full checkpoint reads as before."""
-    if any(f.path.startswith(_UP) for f in files):
-        return LinkedStorage(storage, path)
-    return storage
+    checkpoint; `storage` itself otherwise, so a full checkpoint reads as before. Every reference
+    is checked first (split_reference): UnsafeCheckpointError names one that may not be read."""
+    refs = [f.path for f in files if f.path.startswith(_UP)]
+    for rel in refs:
+        split_reference(rel)   # refused before anything is opened, not at the first read of that file
+    return LinkedStorage(storage, path) if refs else storage
