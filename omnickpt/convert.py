@@ -46,8 +46,8 @@ from omnickpt.format import DATA_DIR
 from omnickpt.errors import CheckpointError, UnsupportedError
 from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, Sums, TensorEntry
 from omnickpt.format import checksum, dtype_from_name, dtype_name
-from omnickpt.format.cast import CastLosses
-from omnickpt.format.quant import QUANT_DTYPES, SCHEMES
+from omnickpt.format.cast import CastLosses, keeps_dtype
+from omnickpt.format.quant import QUANT_DTYPES
 from omnickpt.formats import read_manifest
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
@@ -125,10 +125,11 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     `dst` must not exist or be an empty directory: a conversion never overwrites anything; nor may it
     lie inside `src` or a folder `src` references, or hold `src` (CheckpointError naming both).
     `key` keeps only one state key's tensors (and its objects: with to="omnickpt"), e.g. "model";
-    `dtype` casts floating-point tensors; `max_shard_size` (bytes or "5GB", "500MB") caps each
-    data file (to="hf": default 5 GB; to="omnickpt": default 1 GiB, and the memory held at once
-    is about twice that, three times with a dtype cast); `transforms` (omnickpt.transforms)
-    rewrite names and fusing first. `progress` shows a progress bar on stderr. A cast that would
+    `dtype` casts floating-point tensors, except an optimizer's step counts and other 0-dim state,
+    which keep their saved dtype (format/cast.py keeps_dtype); `max_shard_size` (bytes or "5GB",
+    "500MB") caps each data file (to="hf": default 5 GB; to="omnickpt": default 1 GiB, and the memory
+    held at once is about twice that, three times with a dtype cast); `transforms`
+    (omnickpt.transforms) rewrite names and fusing first. `progress` shows a progress bar on stderr. A cast that would
     turn finite values into inf or non-zero values into 0 is refused (UnsupportedError naming the
     tensor and the counts) unless `allow_lossy_cast`; then the summary's "lossy_casts" counts them.
 
@@ -150,8 +151,10 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     if to != "omnickpt":   # to_omnickpt checks these with the manifest its reader holds
         source = read_manifest(storage_for(str(src)))
         _refuse_in_bases(str(src), str(dst), source)
-        lossy = dict(source.quantized)
     if to == "hf":
+        for transform in transforms:   # the lossy records under the names the export writes (dcp takes none)
+            source = transform.apply(source)
+        lossy = dict(source.quantized)
         export_hf = _exporter("omnickpt.formats.hf", "export_hf", "Hugging Face")
         losses = CastLosses(allow_lossy_cast)
         hooked = "losses" in inspect.signature(export_hf).parameters
@@ -170,6 +173,7 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         if given:
             raise UnsupportedError(f"convert to dcp takes no {', '.join(given)}: PyTorch DCP stores the checkpoint's "
                                    "tensors as they are (convert to omnickpt first to select, cast or transform)")
+        lossy = dict(source.quantized)
         export_dcp = _exporter("omnickpt.formats.dcp", "export_dcp", "PyTorch DCP")
         result = export_dcp(str(src), str(dst), progress=progress)
     else:
@@ -308,12 +312,12 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
                 workers: int = 4, allow_lossy_cast: bool = False) -> dict:
     """Write the checkpoint at `src` (any format omnickpt reads) as an omnickpt checkpoint at `dst`
     (see `convert`): every tensor (of `key`) read box by box, verified as a load verifies, cast
-    to `dtype` when floating point (refusing a cast that overflows or flushes values unless
-    `allow_lossy_cast`), written with chunk checksums into data files of at most `part_bytes`;
-    every object value copied as its encoded bytes (nothing is decoded, so pickled values pass
-    through unopened); the manifest written last, atomically. A tensor the source holds quantized
-    keeps that record (see the module docstring). On any failure the data files written so far are
-    removed and nothing is committed."""
+    to `dtype` when floating point (not an optimizer's step counts and scalar state; refusing a cast
+    that overflows or flushes values unless `allow_lossy_cast`), written with chunk checksums into
+    data files of at most `part_bytes`; every object value copied as its encoded bytes (nothing is
+    decoded, so pickled values pass through unopened); the manifest written last, atomically. A
+    tensor the source holds quantized keeps that record (see the module docstring). On any failure
+    the data files written so far are removed and nothing is committed."""
     from tqdm.auto import tqdm
 
     from omnickpt.version import __version__
@@ -333,7 +337,7 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
         if key is not None and not names and not object_keys:
             raise CheckpointError(f"{reader.location} holds no tensor or object under key {key!r}; its keys are "
                                   f"{sorted({n.split('/', 1)[0] for n in reader.names() + reader.object_keys()})}")
-        out_dtype = {n: _target_dtype(source.tensors[n].dtype, dtype) for n in names}
+        out_dtype = {n: _target_dtype(n, source.tensors[n], dtype) for n in names}
         lossy = _lossy_records(source, names)
         for n in lossy:
             if dtype_name(out_dtype[n]) not in QUANT_DTYPES:
@@ -412,22 +416,11 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
 
 
 def _lossy_records(source: Manifest, names: Sequence[str]) -> dict[str, dict]:
-    """{name: {"scheme", "max_error"}} of the selected tensors the source holds quantized. A tensor a
-    transform renamed or fused is found by its boxes' codec and gets the largest error the source
-    recorded for any tensor (a bound: its own record is under a name it no longer has)."""
-    out = {}
-    worst = max((float(q["max_error"]) for q in source.quantized.values()), default=0.0)
-    for n in names:
-        if n in source.quantized:
-            out[n] = {"scheme": source.quantized[n]["scheme"], "max_error": float(source.quantized[n]["max_error"])}
-            continue
-        entry = source.tensors[n]
-        cols = entry.columns if not entry.holds_boxes else None
-        codecs = {cols.codec} if cols is not None else {b.sums.codec for b in entry.boxes if b.sums is not None}
-        scheme = next((c for c in sorted(codecs, key=str) if c in SCHEMES), None)
-        if scheme is not None:
-            out[n] = {"scheme": scheme, "max_error": worst}
-    return out
+    """{name: {"scheme", "max_error"}} of the selected tensors the source holds quantized, copies (a
+    cast adds to them). `source` is the manifest after transforms, which carry each record over to
+    the names and fusing they make (transforms.py)."""
+    return {n: {"scheme": source.quantized[n]["scheme"], "max_error": float(source.quantized[n]["max_error"])}
+            for n in names if n in source.quantized}
 
 
 def _stored_box(piece: _Piece, file: int, offset: int, crcs: list[int], dtype: torch.dtype, lossy: dict | None,
@@ -453,7 +446,9 @@ def _largest_difference(a: torch.Tensor, b: torch.Tensor, step: int = 1 << 22) -
     out = 0.0
     for i in range(0, a.numel(), step):
         d = (a[i:i + step].double() - b[i:i + step].double()).abs()
-        d = torch.where(torch.isnan(a[i:i + step]), torch.zeros_like(d), torch.nan_to_num(d, nan=math.inf))
+        # posinf too: nan_to_num's default would turn an overflow into the largest float64
+        d = torch.where(torch.isnan(a[i:i + step]), torch.zeros_like(d),
+                        torch.nan_to_num(d, nan=math.inf, posinf=math.inf))
         out = max(out, float(d.max()))
     return out
 
@@ -463,9 +458,13 @@ def _json(doc: dict) -> bytes:
     return json.dumps(doc).encode()
 
 
-def _target_dtype(saved: str, dtype: torch.dtype | None) -> torch.dtype:
-    src = dtype_from_name(saved)
-    return dtype if dtype is not None and src.is_floating_point else src
+def _target_dtype(name: str, entry: TensorEntry, dtype: torch.dtype | None) -> torch.dtype:
+    """What tensor `name` is written as: `dtype` for a floating-point tensor, except an optimizer's step
+    counts and scalar state (format/cast.py keeps_dtype), else its saved dtype."""
+    src = dtype_from_name(entry.dtype)
+    if dtype is None or not src.is_floating_point or keeps_dtype(name, entry.shape):
+        return src
+    return dtype
 
 
 def _write_part(reader: CheckpointReader, storage: Storage, rel: str, part: _Part, out_dtype: dict,

@@ -16,7 +16,9 @@ row-major block: a range of its leading rows is a contiguous byte range (a plain
 byte offset), a selection along another dimension is a WindowBox the reader turns into strided
 runs, concatenation is boxes at shifted offsets, and pad rows are zero-fill boxes backed by no
 bytes. Derived boxes keep the chunk checksums of the stored box their bytes lie in, so the reader
-verifies every byte it reads, whatever the transform. See docs/transforms.md.
+verifies every byte it reads, whatever the transform. The record that a tensor is stored lossy
+(Manifest.quantized) follows its bytes the same way: to its new names, to every part of a split, and
+to a fused tensor with the largest error of its parts. See docs/transforms.md.
 
 Names. A name containing "/" is a full manifest name ("model/tok.weight") and matches exactly
 that tensor. A name without "/" is a parameter name ("tok.weight") and matches wherever it
@@ -178,6 +180,46 @@ def _resize_rows(entry: TensorEntry, rows: int) -> TensorEntry:
     return TensorEntry((rows,) + entry.shape[1:], entry.dtype, list(entry.boxes) + ([zero] if zero else []))
 
 
+def _carry_quantized(source: Manifest, tensors: Mapping[str, TensorEntry]) -> dict[str, dict]:
+    """The lossy records (Manifest.quantized) of the rewritten `tensors`: a tensor whose bytes come
+    from tensors `source` holds quantized is lossy under its new name, with the largest error of
+    those (a fused tensor's error is its worst part's); a dropped tensor's record goes with it."""
+    if not source.quantized:
+        return {}
+    # Records are found by the stored boxes behind a tensor, not by its name: a transform may
+    # rename, fuse, split or pad, but a derived box keeps the chunk grid (Sums) of the stored box
+    # its bytes lie in, and a stored box's grid starts at its own first byte, so (file, grid start)
+    # names that stored box. Byte ranges would not: in a compressed file a box's raw range overlaps
+    # the boxes stored after it.
+    owner: dict[tuple[int, int], str] = {}
+    whole: dict[int, str] = {}   # id of a quantized entry -> its name: kept, renamed or aliased as it is
+    for name in source.quantized:
+        entry = source.tensors.get(name)
+        if entry is None:
+            continue
+        whole[id(entry)] = name
+        if entry.holds_boxes:
+            owner.update(((b.file, b.sums.start), name) for b in entry.boxes if b.sums is not None)
+        else:
+            cols = entry.columns
+            owner.update(((f, o), name) for f, o in zip(cols.file.tolist(), cols.offset.tolist()))
+    untouched = {id(e) for e in source.tensors.values()}
+    out: dict[str, dict] = {}
+    for name, entry in tensors.items():
+        if id(entry) in whole:
+            parts = {whole[id(entry)]}
+        elif id(entry) in untouched:
+            continue   # a source tensor the source holds exactly
+        else:
+            parts = {owner[k] for b in entry.boxes if b.sums is not None and (k := (b.file, b.sums.start)) in owner}
+        if parts:
+            # one save quantizes with one scheme; the worst part's names the record all the same
+            worst = max(parts, key=lambda n: float(source.quantized[n]["max_error"]))
+            out[name] = {"scheme": source.quantized[worst]["scheme"],
+                         "max_error": float(source.quantized[worst]["max_error"])}
+    return out
+
+
 # ---------------------------------------------------------------------- name patterns
 class _Pattern:
     """A declared name: exact (contains "/") or a parameter name matched as whole "/"-parts."""
@@ -224,7 +266,8 @@ class Transform:
     def apply(self, manifest: Manifest) -> Manifest:
         tensors = dict(manifest.tensors)
         self._rewrite(tensors)
-        return dataclasses.replace(manifest, tensors=tensors, derived=True)
+        return dataclasses.replace(manifest, tensors=tensors, derived=True,
+                                   quantized=_carry_quantized(manifest, tensors))
 
     def _rewrite(self, tensors: dict[str, TensorEntry]) -> None:
         raise NotImplementedError

@@ -643,3 +643,49 @@ def test_an_optimizer_loads_across_a_split_and_rename(tmp_path):
         assert torch.equal(st["exp_avg"], saved["exp_avg"][rows]) and torch.equal(st["exp_avg_sq"], saved["exp_avg_sq"][rows])
         assert torch.equal(st["step"], saved["step"])
     assert topt.param_groups[0]["lr"] == 0.05 and topt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+# ---------------------------------------------------------------------- lossy records follow the transforms
+def _quantized_checkpoint(path, tensors: dict[str, torch.Tensor]):
+    """`tensors` saved with an Adam state after one step, its moments quantized (int8)."""
+    model = bag(tensors)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    opt.step()
+    omnickpt.save(str(path), {"model": model, "optimizer": opt}, quantize_optimizer="int8").wait()
+    return model, opt, omnickpt.read_manifest(omnickpt.api.storage_for(str(path)))
+
+
+def test_a_load_through_a_split_and_rename_reports_the_quantized_moments_under_the_new_names(tmp_path):
+    _, _, manifest = _quantized_checkpoint(tmp_path / "q", {"fc1.weight": rand(128, 16, seed=41)})
+    target = bag({"gate_proj.weight": torch.zeros(64, 16), "up_proj.weight": torch.zeros(64, 16)})
+    topt = torch.optim.Adam(target.parameters(), lr=0.1)
+    result = omnickpt.load(str(tmp_path / "q"), {"model": target, "optimizer": topt},
+                           transforms=[SplitFused("fc1.weight", into=["gate.weight", "up.weight"]),
+                                       Rename({"gate.weight": "gate_proj.weight", "up.weight": "up_proj.weight"})])
+    # every part of a quantized tensor is as lossy as the whole: the split parts carry its record
+    assert result.report["quantized"] == {
+        f"optimizer/state/{part}_proj.weight/{moment}": manifest.quantized[f"optimizer/state/fc1.weight/{moment}"]
+        for part in ("gate", "up") for moment in ("exp_avg", "exp_avg_sq")}
+
+
+def test_a_fused_tensor_carries_the_largest_error_of_its_parts_and_a_dropped_one_no_record(tmp_path):
+    _, _, manifest = _quantized_checkpoint(tmp_path / "q", {"gate.weight": rand(64, 16, seed=42),
+                                                            "up.weight": 100 * rand(64, 16, seed=43),
+                                                            "tok.weight": rand(30, 16, seed=44)})
+    q = manifest.quantized
+    out = manifest
+    for t in (Fuse(["gate.weight", "up.weight"], into="fc1.weight"), ResizeVocab("tok.weight", rows=32),
+              Alias("head.weight", "tok.weight"), Drop("optimizer/state/tok.weight/exp_avg_sq")):
+        out = t.apply(out)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        parts = [q[f"optimizer/state/{p}.weight/{moment}"]["max_error"] for p in ("gate", "up")]
+        assert parts[0] != parts[1]
+        assert out.quantized[f"optimizer/state/fc1.weight/{moment}"] == {"scheme": "int8", "max_error": max(parts)}
+    tok = q["optimizer/state/tok.weight/exp_avg"]
+    assert out.quantized["optimizer/state/tok.weight/exp_avg"] == tok        # padded: still lossy
+    assert out.quantized["optimizer/state/head.weight/exp_avg"] == tok       # an alias reads the same bytes
+    assert set(out.quantized) == {"optimizer/state/fc1.weight/exp_avg", "optimizer/state/fc1.weight/exp_avg_sq",
+                                  "optimizer/state/tok.weight/exp_avg", "optimizer/state/head.weight/exp_avg",
+                                  "optimizer/state/head.weight/exp_avg_sq"}
+    assert manifest.quantized == q and "optimizer/state/fc1.weight/exp_avg" not in q   # the input is untouched

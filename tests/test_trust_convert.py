@@ -222,16 +222,22 @@ def test_a_cast_of_a_lossy_tensor_keeps_a_bound_against_the_original(tmp_path, c
     assert out["lossy"] and "lossy_casts" not in out
 
 
-def test_a_tensor_a_transform_renames_stays_marked_lossy_with_the_checkpoints_largest_error(tmp_path):
-    from omnickpt.transforms import Rename
+def test_a_tensor_a_transform_renames_or_fuses_stays_marked_lossy_with_its_own_recorded_error(tmp_path):
+    from omnickpt.transforms import Fuse, Rename
     q, _, _ = _adam_ckpt(tmp_path, "q", quantize_optimizer="int8")
     dst = str(tmp_path / "renamed")
-    convert(q, dst, to="omnickpt", transforms=[Rename.regex(r"/0\.", "/first.")], progress=False)
+    out = convert(q, dst, to="omnickpt", progress=False,
+                  transforms=[Rename.regex(r"/0\.", "/first."), Fuse(["first.bias", "1.bias"], into="biases")])
     with omnickpt.open(q) as a, omnickpt.open(dst) as b:
-        worst = max(r["max_error"] for r in a.manifest.quantized.values())
-        renamed = {n: r for n, r in b.manifest.quantized.items() if "/first." in n}
-        assert len(renamed) == 4 and all(r == {"scheme": "int8", "max_error": worst} for r in renamed.values())
-        assert len(b.manifest.quantized) == len(a.manifest.quantized)
+        src = a.manifest.quantized
+        fused = {m: [src[f"optim/state/{p}.bias/{m}"] for p in ("0", "1")] for m in ("exp_avg", "exp_avg_sq")}
+        assert all(x["max_error"] != y["max_error"] for x, y in fused.values())
+        assert b.manifest.quantized == out["lossy"] == {
+            "optim/state/first.weight/exp_avg": src["optim/state/0.weight/exp_avg"],
+            "optim/state/first.weight/exp_avg_sq": src["optim/state/0.weight/exp_avg_sq"],
+            "optim/state/1.weight/exp_avg": src["optim/state/1.weight/exp_avg"],
+            "optim/state/1.weight/exp_avg_sq": src["optim/state/1.weight/exp_avg_sq"],
+            **{f"optim/state/biases/{m}": max(parts, key=lambda r: r["max_error"]) for m, parts in fused.items()}}
 
 
 def _moment(model, opt, name: str) -> torch.Tensor:
@@ -318,3 +324,66 @@ def test_convert_refuses_a_destination_inside_a_folder_the_incremental_source_re
     with pytest.raises(CheckpointError, match="references"):
         convert(b, os.path.join(a, "export"), to="omnickpt", progress=False)
     convert(b, str(tmp_path / "elsewhere"), to="omnickpt", progress=False)
+
+
+# ------------------------------------------------------------------ a dtype cast leaves optimizer bookkeeping alone
+def test_a_dtype_cast_never_casts_step_counts_or_other_scalar_optimizer_state(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    nadam = torch.optim.NAdam(model.parameters(), lr=1e-3)
+    for opt in (adam, nadam):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    steps = dict(zip(model.parameters(), (1000.0, 1001.0, 2049.0, 257.0)))   # 1001 and 257 are not bfloat16s
+    for p, s in steps.items():
+        adam.state[p]["step"].fill_(s)
+        nadam.state[p]["mu_product"].fill_(0.123456789)
+    src, dst = str(tmp_path / "src"), str(tmp_path / "bf16")
+    omnickpt.save(src, {"model": model, "adam": adam, "nadam": nadam})
+    assert cli(["convert", src, dst, "--to", "omnickpt", "--dtype", "bfloat16"]) == 0
+    with omnickpt.open(src) as a, omnickpt.open(dst) as b:
+        for name in a.names():
+            kept = name.endswith(("/step", "/mu_product"))
+            assert b.info(name).dtype == (torch.float32 if kept else torch.bfloat16), name
+            if kept:
+                assert torch.equal(b.get(name), a.get(name)), name
+        assert b.get("adam/state/0.weight/step").item() == 1000.0
+        assert b.get("adam/state/0.bias/step").item() == 1001.0
+    # the converted checkpoint resumes from the step it was saved at
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    omnickpt.load(dst, {"model": fresh, "adam": opt}, strict=False)
+    assert [opt.state[p]["step"].item() for p in fresh.parameters()] == list(steps.values())
+
+
+# ------------------------------------------------------------------ diff: relative differences against zeros of B
+def _weights(path: str, values: list[float]) -> str:
+    model = nn.Linear(len(values), 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([values], dtype=torch.float64))
+    omnickpt.save(path, {"model": model})
+    return path
+
+
+def test_diff_against_exact_zeros_of_b_reports_inf_counts_them_and_gives_the_rtol_the_rest_need(tmp_path, capsys):
+    a = _weights(str(tmp_path / "a"), [1e-3, 2.0, 0.0, 4.0])
+    b = _weights(str(tmp_path / "b"), [0.0, 2.0, 0.0, 4.0 * (1 + 2 ** -20)])
+    row = diff(a, b).tensors[0]
+    # as numpy.testing.assert_allclose reports it: no rtol covers 1e-3 against 0, never the largest float
+    assert row["max_rel"] == float("inf") and row["zero_b"] == 1
+    assert row["max_rel_nonzero_b"] == pytest.approx(2 ** -20, rel=1e-5) and row["max_abs"] == 1e-3
+    # with rtol = max_rel_nonzero_b only the differences from zeros of B are beyond it, as numpy.isclose says
+    x, y = np.array([1e-3, 2.0, 0.0, 4.0]), np.array([0.0, 2.0, 0.0, 4.0 * (1 + 2 ** -20)])
+    rtol = row["max_rel_nonzero_b"]
+    assert diff(a, b, rtol=rtol).tensors[0]["mismatched"] == (~np.isclose(x, y, rtol=rtol, atol=0)).sum() == 1
+    assert diff(a, b).as_dict()["tensors"][0]["max_rel"] == "inf"
+    assert cli(["diff", a, b]) == 1
+    assert "inf (1 at B=0, else 9.54e-07)" in capsys.readouterr().out
+    # the other way round B holds no zero that A misses: a finite relative difference, 1e-3 / 1e-3
+    back = diff(b, a).tensors[0]
+    assert back["max_rel"] == pytest.approx(1.0) and back["zero_b"] == 0
+    # an infinity against a number is an infinite difference, not 1.8e308
+    inf = _weights(str(tmp_path / "inf"), [float("inf"), 2.0, 0.0, 4.0])
+    assert diff(inf, a).tensors[0]["max_abs"] == float("inf")

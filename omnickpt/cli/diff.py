@@ -1,8 +1,11 @@
 """`omnickpt diff A B`: what differs between two checkpoints, of any formats omnickpt reads.
 
 Tensors are compared by name: missing on one side, shape or dtype differences, and the largest
-absolute and relative difference of their values (relative to B, as torch.allclose measures:
-|a - b| <= atol + rtol * |b|; NaN equals NaN in the same place). Values are streamed: each
+absolute and relative difference of their values (relative to B, as numpy.allclose and
+torch.allclose measure: |a - b| <= atol + rtol * |b|; NaN equals NaN in the same place). Where A
+differs from an exact 0 of B the relative difference is inf, as numpy.testing.assert_allclose and
+torch.testing.assert_close report it (no rtol covers it, only atol); the row then also counts those
+elements and gives the largest relative difference of the others. Values are streamed: each
 tensor is read in slabs of leading rows of at most `slab_bytes` (as float64), so memory stays
 bounded whatever the tensors' sizes. Objects (plain values) are decoded safely and compared by
 value, naming the first place they differ.
@@ -71,7 +74,9 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, slab_bytes: in
     """Compare the checkpoints at `a` and `b` (see the module docstring). Each tensor row holds
     "name", "status" ("equal": identical values; "close": within atol/rtol; "differs"; "shape";
     "dtype"; "only in A"; "only in B"), shapes and dtypes of both sides, where values were
-    compared "max_abs", "max_rel" and "mismatched" (elements beyond the tolerance), and for a side
+    compared "max_abs", "max_rel" (inf where A differs from a 0 of B), "zero_b" (how many elements
+    differ from a 0 of B), "max_rel_nonzero_b" (the largest relative difference where B is not 0:
+    the rtol those elements need) and "mismatched" (elements beyond the tolerance), and for a side
     that holds the tensor lossy "lossy_a" / "lossy_b": {"scheme", "max_error"} (its manifest's
     record) plus, where values were compared, "within_lossy_error": whether max_abs is within the
     sum of the recorded errors (the copies may come from one original). Each object
@@ -110,21 +115,17 @@ def _tensor_row(ra: CheckpointReader, rb: CheckpointReader, name: str, atol: flo
     if ia.shape != ib.shape:
         row["status"] = "shape"
         return row
-    max_abs = max_rel = 0.0
-    mismatched = 0
-    identical = True
+    total = _Difference()
     widest = max(ia.dtype.itemsize, ib.dtype.itemsize, 16 if (ia.dtype.is_complex or ib.dtype.is_complex) else 8)
     for box in slab_boxes(ia.shape, slab_bytes // widest):
-        x, y = ra.get(name, box), rb.get(name, box)
-        same, slab_abs, slab_rel, bad = _compare(x, y, atol, rtol)
-        identical &= same
-        max_abs, max_rel, mismatched = max(max_abs, slab_abs), max(max_rel, slab_rel), mismatched + bad
+        total = total.add(_compare(ra.get(name, box), rb.get(name, box), atol, rtol))
         bar.update(box.numel * ia.dtype.itemsize)
-    row.update(max_abs=max_abs, max_rel=max_rel, mismatched=mismatched)
+    row.update(max_abs=total.max_abs, max_rel=total.max_rel, zero_b=total.zero_b,
+               max_rel_nonzero_b=total.max_rel_nonzero_b, mismatched=total.mismatched)
     if ia.dtype != ib.dtype:
         row["status"] = "dtype"
     else:
-        row["status"] = "equal" if identical else ("differs" if mismatched else "close")
+        row["status"] = "equal" if total.identical else ("differs" if total.mismatched else "close")
     return row
 
 
@@ -149,25 +150,46 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)
 
 
-def _compare(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float, float, int]:
-    """(identical, max |x - y|, max |x - y| / |y|, count of elements beyond atol + rtol * |y|);
-    NaN in the same place counts as equal, NaN against a number as an infinite difference."""
+@dataclass(frozen=True)
+class _Difference:
+    """How two tensors (or slabs of them) differ; `add` combines two slabs' figures."""
+    identical: bool = True
+    max_abs: float = 0.0          # max |a - b|
+    max_rel: float = 0.0          # max |a - b| / |b|: inf where b == 0 != a (or B holds NaN / inf)
+    zero_b: int = 0               # elements where a differs from b == 0
+    max_rel_nonzero_b: float = 0.0   # max |a - b| / |b| over the elements where b != 0
+    mismatched: int = 0           # elements beyond atol + rtol * |b|
+
+    def add(self, other: "_Difference") -> "_Difference":
+        return _Difference(self.identical and other.identical, max(self.max_abs, other.max_abs),
+                           max(self.max_rel, other.max_rel), self.zero_b + other.zero_b,
+                           max(self.max_rel_nonzero_b, other.max_rel_nonzero_b), self.mismatched + other.mismatched)
+
+
+def _compare(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> _Difference:
+    """How `x` (A) differs from `y` (B), relative to B as numpy.allclose measures; NaN in the same
+    place counts as equal, NaN against a number as an infinite difference."""
     if x.numel() == 0:
-        return True, 0.0, 0.0, 0
+        return _Difference()
     xw, yw = _wide(x), _wide(y)
     both_nan = torch.isnan(xw) & torch.isnan(yw)
     equal = (xw == yw) | both_nan            # also equal infinities, which x - y would make NaN
     delta = (xw - yw).abs()
-    delta = torch.where(equal, torch.zeros_like(delta), torch.nan_to_num(delta, nan=math.inf))
+    # posinf too: nan_to_num's default turns inf into the largest float64, a max_abs of 1.8e308
+    delta = torch.where(equal, torch.zeros_like(delta), torch.nan_to_num(delta, nan=math.inf, posinf=math.inf))
     scale = yw.abs()
-    # x / 0 -> inf; against a NaN or an infinity in B the ratio is NaN: call it infinite too
-    rel = torch.where(delta == 0, torch.zeros_like(delta), torch.nan_to_num(delta / scale, nan=math.inf))
+    # x / 0 -> inf (no rtol covers a difference from an exact 0); against a NaN or an infinity in B
+    # the ratio is NaN: call it infinite too
+    rel = torch.where(delta == 0, torch.zeros_like(delta),
+                      torch.nan_to_num(delta / scale, nan=math.inf, posinf=math.inf))
+    at_zero = (scale == 0) & (delta > 0)
     beyond = ~equal & ~(delta <= atol + rtol * scale)    # a NaN bound (B holds NaN or inf) is never "within"
     if x.dtype == y.dtype and not (x.dtype.is_floating_point or x.dtype.is_complex):
         identical = torch.equal(x, y)   # exact for 64-bit integers that float64 would round
     else:
         identical = bool(equal.all()) and x.dtype == y.dtype
-    return identical, float(delta.max()), float(rel.max()), int(beyond.sum())
+    return _Difference(identical, float(delta.max()), float(rel.max()), int(at_zero.sum()),
+                       float(torch.where(scale == 0, torch.zeros_like(rel), rel).max()), int(beyond.sum()))
 
 
 # ---------------------------------------------------------------------- objects
@@ -210,7 +232,7 @@ def _difference(a: Any, b: Any, path: str) -> str | None:
             return f"{where}: {_short(a)} vs {_short(b)}"
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{where}: tensor {a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
-        return None if _compare(a, b, 0.0, 0.0)[0] else f"{where}: tensor values differ"
+        return None if _compare(a, b, 0.0, 0.0).identical else f"{where}: tensor values differ"
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.dtype != b.dtype or a.shape != b.shape:
             return f"{where}: {_short(a)} vs {_short(b)}"
@@ -271,7 +293,7 @@ def format_text(report: DiffReport, *, show_all: bool = False) -> str:
     if shown:
         lines += table(("NAME", "STATUS", "SHAPE A", "SHAPE B", "DTYPE A", "DTYPE B", "MAX ABS", "MAX REL", "BEYOND"),
                        [(t["name"], _status_text(t), _dims(t["shape_a"]), _dims(t["shape_b"]), t["dtype_a"] or "-",
-                         t["dtype_b"] or "-", _num(t.get("max_abs")), _num(t.get("max_rel")),
+                         t["dtype_b"] or "-", _num(t.get("max_abs")), _relative(t),
                          t.get("mismatched", "-")) for t in shown], right={6, 7, 8})
     lines.append(f"objects ({len(report.objects)}): {counts(report.objects)}")
     shown = [o for o in report.objects if show_all or o["status"] != "equal"]
@@ -303,3 +325,10 @@ def _dims(shape: list | None) -> str:
 
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
+
+
+def _relative(row: dict) -> str:
+    """The MAX REL cell: inf from differences against zeros of B says how many, and what the rest need."""
+    if not row.get("zero_b"):
+        return _num(row.get("max_rel"))
+    return f"{_num(row['max_rel'])} ({row['zero_b']} at B=0, else {_num(row['max_rel_nonzero_b'])})"

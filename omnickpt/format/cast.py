@@ -10,11 +10,15 @@ default, naming the tensor, and with `allow=True` cast anyway and report the cou
     out = losses.cast(t, torch.float16, "model/w")   # UnsupportedError when something overflows or flushes
     losses.counts                                    # with allow=True: {"model/w": {"overflow": 3, "flush": 0}}
 
+A cast of a whole checkpoint never touches an optimizer's bookkeeping (`keeps_dtype`): its step
+counts and its other 0-dim state stay as saved, only weights and per-element floating state are cast.
+
 Thread-safe (the exporters cast on worker threads); no module state.
 """
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import torch
 
@@ -56,6 +60,22 @@ class CastLosses:
             seen["flush"] += flush
 
 
+def keeps_dtype(name: str, shape: Sequence[int]) -> bool:
+    """Whether a dtype cast of a checkpoint (convert --dtype) leaves tensor `name` of `shape` as saved:
+    an optimizer's step count (state key "step", whatever its shape) or any other 0-dim optimizer
+    state. Every reader names optimizer state "<key>/state/<parameter>/<state key>" (the optimizer
+    adapter, DCP, Megatron); a module's tensor is "<key>/<dotted name>", and is cast."""
+    # torch.optim keeps `step` as a float tensor, and counts are what a narrow float cannot hold:
+    # float16 counts past 2048 by 2, bfloat16 past 256, so Adam's bias correction 1 - beta ** step
+    # would resume from another step (torch's own Optimizer.load_state_dict never casts `step`).
+    # The other scalars (ASGD's eta / mu, NAdam's mu_product, a product over every step so far)
+    # carry precision the update formulas need, and casting a scalar saves nothing.
+    parts = name.split("/")
+    if len(parts) < 4 or parts[-3] != "state":
+        return False
+    return parts[-1] == "step" or len(shape) == 0
+
+
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -75,4 +95,4 @@ def describe(overflow: int, flush: int) -> str:
     return " and ".join(parts)
 
 
-__all__ = ["ALLOW_FLAG", "CastLosses", "describe", "lost"]
+__all__ = ["ALLOW_FLAG", "CastLosses", "describe", "keeps_dtype", "lost"]
