@@ -15,9 +15,12 @@ Nothing in the folder is trusted or executed:
   UnsafeCheckpointError before it is looked up. A pickle that would call os.system runs nothing.
 - a tensor's archive is read with the zipfile module (stored entries only, nothing is decompressed) and
   its `data.pkl` is parsed by `_TensorPickle`, which admits only the rebuild call of a plain tensor and
-  records its storage key, offset, shape and strides instead of calling anything.
-- non-tensor values (DCP's BytesStorageMetadata items, written with torch.save) are decoded with
-  `torch.load(weights_only=True)`, never with a full unpickle, and re-encoded with encode_object.
+  records its storage key, offset, shape and strides instead of calling anything. Both unpicklers are
+  Python's own (`_RestrictedUnpickler`: no memo table sized by the pickle, BUILD on records only).
+- non-tensor values (DCP's BytesStorageMetadata items, written with torch.save) and Megatron's common.pt
+  are unzipped by `_unzip_bounded` (never past MAX_INLINE_BYTES, whatever the archive declares) and only
+  then decoded with `torch.load(weights_only=True)`, never with a full unpickle, and re-encoded with
+  encode_object.
 DCP stores no checksums we can use (the zip's CRC-32 covers a whole chunk, so a ranged read cannot
 check it): boxes carry `sums=None`, and the tensor bytes of a DCP checkpoint are not verified on load.
 
@@ -45,6 +48,7 @@ import math
 import os
 import pickle
 import re
+import reprlib
 import struct
 import time
 import uuid
@@ -75,9 +79,13 @@ _MAX_INT = 1 << 62
 _WINDOW = 1024
 _COALESCE_GAP = 64 << 10
 _MAX_DATA_PKL = 1 << 20         # a tensor's data.pkl is ~200 bytes; more is not a tensor
-# Tensors inside plain values (not a module's or an optimizer's) are read when the manifest is built and
-# carried in the value: they are small (a step counter, an RNG state). More than this is refused.
+# What the reader holds in memory while it reads the metadata is bounded by this: the stored bytes of the
+# non-tensor values (a scheduler's state, a step count), and, separately, what they decode to (every zip
+# entry of their torch.save archives) plus the tensors inside plain values (not a module's or an optimizer's),
+# which are read when the manifest is built and carried in the value. Real ones are small (a step counter,
+# an RNG state); a value past this is refused, and a zip entry is never inflated past it.
 MAX_INLINE_BYTES = 256 << 20
+_INFLATE_PIECE = 1 << 20        # a compressed zip entry is inflated this much at a time, counted as it goes
 # Export: a box larger than this is written as several DCP chunks of whole rows, so that memory stays
 # near this size (or one row) whatever the tensor's size.
 EXPORT_CHUNK_BYTES = 64 << 20
@@ -92,6 +100,33 @@ _STORAGE_DTYPES = {
     "ByteStorage": torch.uint8, "BoolStorage": torch.bool, "BFloat16Storage": torch.bfloat16,
     "ComplexDoubleStorage": torch.complex128, "ComplexFloatStorage": torch.complex64, "UntypedStorage": None,
 }
+
+
+# ---------------------------------------------------------------------- restricted unpicklers
+_brief = reprlib.Repr()      # untrusted values in messages: depth- and length-limited (a deep list cannot recurse)
+_brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxtuple = 3, 60, 60, 8, 8
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    """Base of the unpicklers of untrusted DCP pickles. Python's own implementation (pickle._Unpickler),
+    not the C one: the C unpickler sizes its memo table by the largest index a PUT names, so a 9-byte
+    pickle (`LONG_BINPUT 2**26`) makes it allocate and zero 1 GiB; this one keeps the memo in a dict.
+    It is also the one whose opcodes can be overridden: BUILD (set an object's state) is allowed on
+    `_Record`s only. On anything else the pickle could reach (a global function's __defaults__, a dtype,
+    a storage type) it would change objects that this process shares, not build a record.
+    Subclasses set find_class and persistent_load; the cost is ~1.5x the C unpickler's time."""
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def _load_build(self):
+        if not isinstance(self.stack[-2] if len(self.stack) > 1 else None, _Record):
+            raise pickle.UnpicklingError("a BUILD (set state) of something that is not a DCP metadata record")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 # ---------------------------------------------------------------------- .metadata: the restricted unpickler
@@ -170,7 +205,7 @@ def _size(values=()) -> tuple[int, ...]:
     """torch.Size(values), as a plain tuple of sane integers."""
     values = tuple(values)
     if len(values) > _MAX_DIMS or any(type(v) is not int or not 0 <= v <= _MAX_INT for v in values):
-        raise pickle.UnpicklingError(f"torch.Size{values!r:.80} is not a shape")
+        raise pickle.UnpicklingError(f"torch.Size{_brief.repr(values)} is not a shape")
     return values
 
 
@@ -232,14 +267,10 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(_RestrictedUnpickler):
     """Unpickles a DCP `.metadata` into `_Record`s. Every global the pickle names is looked up in
     `_METADATA_GLOBALS` (exact module and name: no dotted attribute paths); anything else raises
     UnsafeCheckpointError, before it is imported or resolved."""
-
-    def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
-        self.where = where
 
     def find_class(self, module: str, name: str):
         found = _METADATA_GLOBALS.get((module, name))
@@ -321,15 +352,15 @@ def _parse_metadata(md: _Metadata, where: str) -> _Parsed:
         fqn, offset = index.get("fqn"), index.get("offset")
         path, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
         if not isinstance(fqn, str) or not (offset is None or _shape(offset) is not None):
-            raise bad(f"a storage record with key {fqn!r:.80} and offsets {offset!r:.80}")
+            raise bad(f"a storage record with key {_brief.repr(fqn)} and offsets {_brief.repr(offset)}")
         if not (_count(start) and _count(length)):
-            raise bad(f"{fqn!r}: a stored item at offset {start!r:.40} with length {length!r:.40}")
+            raise bad(f"{fqn!r}: a stored item at offset {_brief.repr(start)} with length {_brief.repr(length)}")
         transforms = info.get("transform_descriptors")
         if transforms:
             raise UnsupportedError(
-                f"{where}: {fqn!r} was written through DCP stream transforms {transforms!r:.100} (e.g. compression, "
-                "via FileSystemWriter(_extensions=...)); omnickpt reads only untransformed DCP files: load it with "
-                "dcp.load and save it again without extensions (or with omnickpt)")
+                f"{where}: {fqn!r} was written through DCP stream transforms {_brief.repr(transforms)} (e.g. "
+                "compression, via FileSystemWriter(_extensions=...)); omnickpt reads only untransformed DCP files: "
+                "load it with dcp.load and save it again without extensions (or with omnickpt)")
         items[(fqn, offset)] = _Item(safe_relative_path(path, where), start, length)
     tensors: dict[str, _DcpTensor] = {}
     values: dict[str, _Item] = {}
@@ -354,7 +385,9 @@ def _parse_metadata(md: _Metadata, where: str) -> _Parsed:
     meta = md.get("storage_meta")
     save_id = meta.get("save_id") if isinstance(meta, _StorageMeta) else None
     mcore = md.get("mcore_data")
-    return _Parsed(tensors, values, paths, str(md.get("version") or ""), save_id if isinstance(save_id, str) else "",
+    version = md.get("version")
+    return _Parsed(tensors, values, paths, version if isinstance(version, str) else "",
+                   save_id if isinstance(save_id, str) else "",
                    mcore if isinstance(mcore, dict) else {})
 
 
@@ -364,11 +397,11 @@ def _tensor_record(fqn: str, entry: _TensorStorageMetadata, items: dict, bad: Ca
         raise bad(f"tensor {fqn!r} has an incomplete record")
     dtype = props.get("dtype")
     if not isinstance(dtype, torch.dtype):
-        raise bad(f"tensor {fqn!r} has dtype {dtype!r:.40}")
+        raise bad(f"tensor {fqn!r} has dtype {_brief.repr(dtype)}")
     layout = props.get("layout", "torch.strided")
     if layout not in ("torch.strided", None):
-        raise UnsupportedError(f"{where}: tensor {fqn!r} has layout {layout}; omnickpt loads dense (strided) tensors "
-                               "only")
+        raise UnsupportedError(f"{where}: tensor {fqn!r} has layout {_brief.repr(layout)}; omnickpt loads dense "
+                               "(strided) tensors only")
     try:
         dtype_name(dtype)
     except CheckpointError:
@@ -380,7 +413,8 @@ def _tensor_record(fqn: str, entry: _TensorStorageMetadata, items: dict, bad: Ca
             else (None, None)
         if (offsets is None or sizes is None or len(offsets) != len(shape)
                 or len(sizes) != len(shape) or any(o + s > n for o, s, n in zip(offsets, sizes, shape))):
-            raise bad(f"tensor {fqn!r} of shape {list(shape)} has a chunk {offsets!r:.60}+{sizes!r:.60} outside it")
+            raise bad(f"tensor {fqn!r} of shape {list(shape)} has a chunk {_brief.repr(offsets)}+{_brief.repr(sizes)} "
+                      "outside it")
         if not math.prod(sizes):
             out.append(_Chunk(offsets, sizes, None))
             continue
@@ -466,14 +500,23 @@ class _ItemFile(io.RawIOBase):
 
 
 # ---------------------------------------------------------------------- a tensor's torch.save archive
+@dataclasses.dataclass(frozen=True)
 class _StorageType:
     """What a `torch.<X>Storage` global in a data.pkl stands for: the dtype of its elements (None: bytes)."""
+    name: str
+    dtype: torch.dtype | None
 
-    def __init__(self, name: str):
-        self.name, self.dtype = name, _STORAGE_DTYPES[name]
+
+@dataclasses.dataclass(frozen=True)
+class _StorageRef:
+    """A storage the data.pkl refers to by persistent id ("storage", type, key, location, numel): only
+    `_TensorPickle.persistent_load` makes one, so a tensor cannot name a storage the pickle built itself."""
+    key: str
+    dtype: torch.dtype | None
+    numel: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _StoredTensor:
     """What a tensor's data.pkl says: storage `key` holding `numel` elements of `storage_dtype` (bytes
     when None), and the tensor as (offset, shape, strides) over it."""
@@ -487,17 +530,17 @@ class _StoredTensor:
 
 
 def _stored_tensor(storage, storage_offset, size, stride, dtype, metadata) -> _StoredTensor:
-    if not isinstance(storage, tuple) or metadata or not isinstance(dtype, torch.dtype):
+    if not isinstance(storage, _StorageRef) or metadata or not isinstance(dtype, torch.dtype):
         raise pickle.UnpicklingError("not a plain tensor (a subclass, a conjugate or negative bit, or no storage)")
     if type(storage_offset) is not int or not 0 <= storage_offset <= _MAX_INT:
-        raise pickle.UnpicklingError(f"storage offset {storage_offset!r:.40}")
-    return _StoredTensor(*storage, storage_offset, _size(size), _size(stride), dtype)
+        raise pickle.UnpicklingError(f"storage offset {_brief.repr(storage_offset)}")
+    return _StoredTensor(storage.key, storage.dtype, storage.numel, storage_offset, _size(size), _size(stride), dtype)
 
 
 def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
     """torch._utils._rebuild_tensor_v2's arguments, recorded (a typed storage: its dtype is the tensor's)."""
-    return _stored_tensor(storage, storage_offset, size, stride, storage[1] if isinstance(storage, tuple) else None,
-                          metadata)
+    return _stored_tensor(storage, storage_offset, size, stride,
+                          storage.dtype if isinstance(storage, _StorageRef) else None, metadata)
 
 
 def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
@@ -505,24 +548,20 @@ def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dty
     return _stored_tensor(storage, storage_offset, size, stride, dtype, metadata)
 
 
-class _TensorPickle(pickle.Unpickler):
+class _TensorPickle(_RestrictedUnpickler):
     """Parses a tensor's data.pkl into a `_StoredTensor` without calling anything of torch's: the
-    rebuild functions are replaced by recorders and the storage by its (key, dtype, size)."""
+    rebuild functions are replaced by recorders and the storage by a `_StorageRef`."""
     GLOBALS: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
         ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
         ("collections", "OrderedDict"): collections.OrderedDict,   # the (empty) backward hooks
     }
 
-    def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
-        self.where = where
-
     def find_class(self, module: str, name: str):
         if (module, name) in self.GLOBALS:
             return self.GLOBALS[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(name)
+            return _StorageType(name, _STORAGE_DTYPES[name])
         if module == "torch" and name in _TORCH_DTYPES:
             return _TORCH_DTYPES[name]
         raise UnsafeCheckpointError(
@@ -533,9 +572,9 @@ class _TensorPickle(pickle.Unpickler):
 
     def persistent_load(self, pid):
         if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-                and isinstance(pid[2], str) and type(pid[4]) is int and 0 <= pid[4] <= _MAX_INT):
-            return (pid[2], pid[1].dtype, pid[4])
-        raise pickle.UnpicklingError("a persistent id that is not a tensor storage")
+                and type(pid[2]) is str and type(pid[4]) is int and 0 <= pid[4] <= _MAX_INT):
+            return _StorageRef(pid[2], pid[1].dtype, pid[4])
+        raise pickle.UnpicklingError(f"a persistent id that is not a tensor storage: {_brief.repr(pid)}")
 
 
 def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe: Callable[[str], str]) -> int:
@@ -569,7 +608,7 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
                                        "little-endian data only")
             if infos[pkl].file_size > _MAX_DATA_PKL:
                 raise bad(f"its data.pkl has {infos[pkl].file_size} bytes, far more than a tensor's")
-            ref = _TensorPickle(_stored(zf, infos[pkl]), where).load()
+            ref = _unpickle_tensor(_stored(zf, infos[pkl]), where, bad)
             if not isinstance(ref, _StoredTensor):
                 raise bad(f"its data.pkl holds a {type(ref).__name__}, not a tensor")
             entry = infos.get(f"{prefix}data/{ref.key}")
@@ -578,10 +617,8 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
             if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
                 raise bad("the tensor's storage is compressed")
             start = _entry_data_start(f, entry)
-    except (CheckpointError, pickle.UnpicklingError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise bad(f"its data.pkl is not a plain tensor ({e})") from None
+    except CheckpointError:
+        raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, struct.error, EOFError, ValueError, KeyError, TypeError,
             IndexError, OverflowError, NotImplementedError, RuntimeError, RecursionError) as e:
         raise bad(f"not a readable torch.save archive ({type(e).__name__}: {e})") from None
@@ -609,6 +646,15 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
     return item.offset + start + lo
 
 
+def _unpickle_tensor(raw: bytes, where: str, bad: Callable[[str], CheckpointError]) -> Any:
+    try:
+        return _TensorPickle(raw, where).load()
+    except CheckpointError:
+        raise
+    except Exception as e:   # a hostile pickle fails in any of pickle's ways (UnpicklingError, EOFError, ...)
+        raise bad(f"its data.pkl is not a plain tensor ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def _stored(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     """An entry's bytes, read only when stored uncompressed (nothing is ever inflated)."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -629,10 +675,102 @@ def _entry_data_start(f: _ItemFile, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def _decode_value(fqn: str, raw: bytes, where: str) -> Any:
-    """A BytesStorageMetadata item: torch.save bytes, decoded by torch's weights-only unpickler only."""
+class _Budget:
+    """The bytes the reader may still decode into memory while it reads a checkpoint's metadata (values, the
+    tensors inside plain values): MAX_INLINE_BYTES in all, whatever the files claim."""
+
+    def __init__(self, total: int = MAX_INLINE_BYTES):
+        self.left = total
+
+    def take(self, n: int) -> bool:
+        """Spend `n` bytes; False (and nothing spent) when fewer are left."""
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
+
+
+def _unzip_bounded(raw: bytes, where: str, what: str, budget: _Budget) -> io.BytesIO:
+    """The torch.save archive `raw` rewritten with every entry stored (uncompressed), for torch.load to read.
+
+    torch's own reader inflates whatever an archive says: a 1 MB deflated entry becomes 1 GiB before a
+    single check runs. Here each entry is read through zipfile, whose reads stop at the entry's declared
+    size and check its CRC, in pieces of _INFLATE_PIECE: the declared sizes must fit in `budget` before
+    anything is inflated, and the bytes inflated are counted against it as they come, so nothing past it
+    is ever produced. torch.save writes stored entries only: such an archive is handed over as it is
+    (`_stored_as_is`), with no copy. CorruptCheckpointError naming `where` and `what` (e.g. "value 'sched'")
+    for a damaged or inflating archive; UnsupportedError when stored values alone exceed the budget.
+    """
+    def bad(detail: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {what}: {detail}; the file is damaged or was not written by "
+                                      "torch.save: restore it from a good copy")
+
+    out = io.BytesIO()
     try:
-        return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        with zipfile.ZipFile(io.BytesIO(raw)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+            infos = zin.infolist()
+            names = [i.filename for i in infos]
+            if len(set(names)) != len(names):
+                twice = sorted({n for n in names if names.count(n) > 1})
+                raise bad(f"its zip names an entry twice ({_brief.repr(twice)})")
+            for i in infos:
+                if i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                    raise bad(f"zip entry {i.filename!r} is compressed with method {i.compress_type}, which torch's "
+                              "reader does not read")
+            declared = sum(i.file_size for i in infos)
+            stored = _stored_as_is(raw, zin, infos)
+            if declared > budget.left:
+                if stored:
+                    raise UnsupportedError(
+                        f"{where}: {what} takes {declared} bytes, and with what was read before it exceeds the "
+                        f"{MAX_INLINE_BYTES >> 20} MiB omnickpt decodes while reading a DCP checkpoint's metadata; "
+                        "load this checkpoint with dcp.load (and save it with omnickpt)")
+                raise bad(f"its zip entries declare {declared} bytes uncompressed ({len(raw)} stored), past the "
+                          f"{MAX_INLINE_BYTES >> 20} MiB omnickpt decodes while reading a DCP checkpoint's metadata "
+                          f"({budget.left} bytes of it left); torch.save stores its entries uncompressed, so this "
+                          "is no value DCP wrote")
+            if stored:
+                budget.take(declared)
+                return io.BytesIO(raw)
+            for i in infos:
+                got = 0
+                with zin.open(i) as src, zout.open(i.filename, "w") as dst:
+                    while piece := src.read(_INFLATE_PIECE):
+                        got += len(piece)
+                        if got > i.file_size or not budget.take(len(piece)):
+                            raise bad(f"zip entry {i.filename!r} inflates past its declared {i.file_size} bytes or "
+                                      f"the {MAX_INLINE_BYTES >> 20} MiB omnickpt decodes with the metadata")
+                        dst.write(piece)
+    except CheckpointError:
+        raise
+    except Exception as e:   # zipfile and zlib fail on hostile bytes in many ways (BadZipFile, zlib.error, EOFError...)
+        raise bad(f"not a readable torch.save archive ({type(e).__name__}: {str(e)[:200]})") from None
+    out.seek(0)
+    return out
+
+
+def _stored_as_is(raw: bytes, zin: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> bool:
+    """Whether torch's reader may be given the archive `raw` itself: every entry stored (nothing to inflate),
+    and the central directory zipfile read is the one the end record points at. torch's reader (miniz) reads
+    the directory at that offset, while zipfile also accepts bytes prepended to an archive and then reads the
+    directory just before the end record: a crafted archive could show zipfile a stored directory and torch
+    a deflated one. (Repacking every value instead costs 2.5x the decode time: 600 us per value, and a
+    torchtitan optimizer saves thousands of param_groups values.)"""
+    if any(i.compress_type != zipfile.ZIP_STORED or i.compress_size != i.file_size for i in infos):
+        return False
+    end = raw.rfind(b"PK\x05\x06", max(0, len(raw) - 22 - 0xFFFF))
+    if end < 0 or end + 22 > len(raw):
+        return False
+    directory = struct.unpack_from("<I", raw, end + 16)[0]
+    return directory != 0xFFFFFFFF and directory == zin.start_dir
+
+
+def _decode_value(fqn: str, raw: bytes, where: str, budget: _Budget) -> Any:
+    """A BytesStorageMetadata item: torch.save bytes, unzipped within `budget` and decoded by torch's weights-only
+    unpickler only."""
+    archive = _unzip_bounded(raw, where, f"value {fqn!r}", budget)
+    try:
+        return torch.load(archive, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise CorruptCheckpointError(f"{where}: value {fqn!r} is not a readable torch.save archive ({e}); the data "
@@ -677,6 +815,8 @@ def read_manifest(storage: Storage) -> Manifest | None:
     parsed = _parse_metadata(_unpickle_metadata(raw, where), where)
     megatron = _megatron_info(storage)
     files, index = _files(storage, parsed)
+    _check_value_bytes(parsed, storage)
+    budget = _Budget()
     with ThreadPoolExecutor(8, thread_name_prefix="omnickpt-dcp") as pool:
         windows = _Windows(storage, pool)
         wanted: dict[str, list[tuple[int, int]]] = {}
@@ -692,13 +832,14 @@ def read_manifest(storage: Storage) -> Manifest | None:
             fqn: [(c, _locate(windows, fqn, t, c, storage.describe) if c.item is not None else -1) for c in t.chunks]
             for fqn, t in parsed.tensors.items()}
         values = {fqn: _decode_value(fqn, bytes(windows.read(it.path, it.offset, it.offset + it.length)),
-                                     storage.describe(it.path))
+                                     storage.describe(it.path), budget)
                   for fqn, it in parsed.values.items()}
         if megatron is not None:
             tensors, objects = _megatron_entries(parsed, located, values, index, storage.describe(""))
-            objects.update(_megatron_common(storage, megatron))
+            objects.update(_megatron_common(storage, megatron, budget))
         else:
-            tensors, objects = _entries(_paths(parsed), parsed, located, values, index, windows, storage.describe(""))
+            tensors, objects = _entries(_paths(parsed), parsed, located, values, index, windows, storage.describe(""),
+                                        budget)
     world = 1 + max((f.rank for f in files), default=0)
     layout: dict[str, Any] = {"format": "dcp", "world_size": world, "dcp_version": parsed.version}
     # State keys the checkpoint does not hold but this reader chose (like "model" for a Hugging Face
@@ -715,6 +856,19 @@ def read_manifest(storage: Storage) -> Manifest | None:
         layout["megatron"] = megatron
     return Manifest(save_id=parsed.save_id or "dcp", world_size=world, files=files, tensors=tensors,
                     objects={k: [_inline(v, k)] for k, v in objects.items()}, layout=layout)
+
+
+def _check_value_bytes(parsed: _Parsed, storage: Storage) -> None:
+    """Refuse, before reading them, non-tensor values whose stored bytes (read into memory with the metadata)
+    exceed MAX_INLINE_BYTES in all."""
+    stored = sum(it.length for it in parsed.values.values())
+    if stored > MAX_INLINE_BYTES:
+        fqn, it = max(parsed.values.items(), key=lambda kv: kv[1].length)
+        raise UnsupportedError(
+            f"{storage.describe()}: the checkpoint's non-tensor values take {stored} bytes (the largest, {fqn!r}, "
+            f"{it.length} bytes in {storage.describe(it.path)}), which omnickpt reads into memory with the metadata; "
+            f"more than {MAX_INLINE_BYTES >> 20} MiB is refused: load this checkpoint with dcp.load (and save it "
+            "with omnickpt, the large tensors as tensors of their own)")
 
 
 def _files(storage: Storage, parsed: _Parsed) -> tuple[list[FileEntry], dict[str, int]]:
@@ -804,7 +958,7 @@ def _megatron_entries(parsed: _Parsed, located: dict, values: dict, index: dict[
                 or math.prod(s // f for s, f in zip(shape, t.shape)) != t.shape[n]):
             raise CorruptCheckpointError(
                 f"{where}: Megatron tensor {fqn!r} is stored flattened as shape {list(t.shape)}, which is no regular "
-                f"grid of its original shape {orig!r:.60}; the checkpoint's metadata is damaged")
+                f"grid of its original shape {_brief.repr(orig)}; the checkpoint's metadata is damaged")
         block = tuple(s // f for s, f in zip(shape, t.shape))
         boxes = []
         for c, at in located[fqn]:
@@ -829,18 +983,25 @@ def _megatron_entries(parsed: _Parsed, located: dict, values: dict, index: dict[
     return tensors, objects
 
 
-def _megatron_common(storage: Storage, info: dict) -> dict[str, Any]:
+def _megatron_common(storage: Storage, info: dict, budget: _Budget) -> dict[str, Any]:
     """The top-level entries of Megatron's common.pt (its non-sharded state: an optimizer's param groups and
     step, the iteration, ...), each one object, read with torch's weights-only unpickler (argparse.Namespace
-    admitted, read as a dict). What cannot be read or encoded is left out and named in `info["skipped"]`."""
+    admitted, read as a dict) after `_unzip_bounded` (a damaged or inflating archive is CorruptCheckpointError).
+    What cannot be read without running code, or encoded, is left out and named in `info["skipped"]`; so is
+    a common.pt larger than MAX_INLINE_BYTES (it is not read)."""
     import argparse
-    try:
-        raw = storage.read_bytes(MEGATRON_COMMON)
-    except FileNotFoundError:
+    if not storage.exists(MEGATRON_COMMON):
         return {}
+    size = storage.size(MEGATRON_COMMON)
+    if size > MAX_INLINE_BYTES:
+        info["skipped"] = {MEGATRON_COMMON: f"{size} bytes, more than the {MAX_INLINE_BYTES >> 20} MiB omnickpt reads "
+                                            "with the metadata; not read"}
+        return {}
+    archive = _unzip_bounded(storage.read_bytes(MEGATRON_COMMON), storage.describe(MEGATRON_COMMON),
+                             "Megatron's non-sharded state", budget)
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
-            common = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            common = torch.load(archive, weights_only=True, map_location="cpu")
     except Exception as e:
         info["skipped"] = {MEGATRON_COMMON: f"not readable without running code ({type(e).__name__}: "
                                             f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"}
@@ -874,7 +1035,7 @@ def _namespaces_as_dicts(value: Any, depth: int = 0) -> Any:
 
 
 def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: dict, index: dict[str, int],
-             windows: _Windows, where: str) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+             windows: _Windows, where: str, budget: _Budget) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """omnickpt's tensors and objects for the DCP items, top-level key by top-level key.
 
     - an optimizer (sub-paths `state/<fqn>/<k>` and `param_groups/<i>/<field>`, or flattened
@@ -882,15 +1043,18 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
       {"param_groups": [{..., "params": [fqn, ...]}], "state": {fqn: {k: non-tensor value}}};
     - a module (one level of names, tensors and `*_extra_state` values only): tensors `<key>/<name>`,
       its extra states as the object {name: value};
-    - top-level tensors, when one of their names holds a "." (a model's state dict saved flat): the module
-      "model" (unless the state dict has a "model" entry);
+    - top-level tensors, when one of their names holds a "." or is a parameter an optimizer entry's state
+      names (a model's state dict saved flat): the module "model" (unless the state dict has a "model" entry);
     - anything else: one object, the nested value rebuilt, its tensors read into it.
     """
     groups: dict[str, list[tuple[tuple, str]]] = {}
     # A model's state dict saved flat (dcp.save(model.state_dict()), torchtitan) puts its tensors at the top
-    # level: parameter names hold dots, and once one does, every top-level tensor is taken for the model's.
+    # level: parameter names hold dots, or (a model with no submodules, an nn.Linear's "weight") are the names
+    # the optimizer saved beside it keys its state by. Once one is, every top-level tensor is the model's;
+    # otherwise an optimizer beside them would be the checkpoint's only entry with tensors.
+    params = _optimizer_params(paths)
     flat_model = "model" not in {str(p[0]) for p in paths.values()} and any(
-        len(p) == 1 and "." in fqn for fqn, p in paths.items() if fqn in parsed.tensors)
+        len(p) == 1 and ("." in fqn or fqn in params) for fqn, p in paths.items() if fqn in parsed.tensors)
     for fqn, path in paths.items():
         top, sub = path[0], path[1:]
         if flat_model and not sub and (fqn in parsed.tensors or fqn.endswith("_extra_state")):
@@ -902,7 +1066,6 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
                                "non-empty and hold no '/'")
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, Any] = {}
-    inline_budget = [MAX_INLINE_BYTES]
 
     def add_tensor(name: str, fqn: str) -> None:
         t = parsed.tensors[fqn]
@@ -913,7 +1076,7 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
     def leaf(fqn: str) -> Any:
         if fqn in values:
             return values[fqn]
-        return _read_whole(fqn, parsed.tensors[fqn], located[fqn], windows, inline_budget, where)
+        return _read_whole(fqn, parsed.tensors[fqn], located[fqn], windows, budget, where)
 
     for key, members in groups.items():
         subs = [s for s, _ in members]
@@ -932,6 +1095,21 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
         else:
             objects[key] = _nest([(s, leaf(f)) for s, f in members], key, where)
     return tensors, objects
+
+
+def _optimizer_params(paths: dict[str, tuple]) -> set[str]:
+    """The parameter names the state of the state dict's optimizer entries is keyed by."""
+    subs: dict[str, list[tuple]] = {}
+    for path in paths.values():
+        subs.setdefault(str(path[0]), []).append(path[1:])
+    names: set[str] = set()
+    for members in subs.values():
+        form = _optimizer_form(members)
+        if form == "nested":
+            names |= {s[1] for s in members if s[0] == "state"}
+        elif form == "flat":
+            names |= {s[0][len("state."):].rpartition(".")[0] for s in members if s[0].startswith("state.")}
+    return names
 
 
 def _module_form(members: list[tuple[tuple, str]], parsed: _Parsed) -> bool:
@@ -1015,16 +1193,16 @@ def _nest(leaves: list[tuple[tuple, Any]], key: str, where: str) -> Any:
     return lists(root)
 
 
-def _read_whole(fqn: str, t: _DcpTensor, located: list[tuple[_Chunk, int]], windows: _Windows, budget: list[int],
+def _read_whole(fqn: str, t: _DcpTensor, located: list[tuple[_Chunk, int]], windows: _Windows, budget: _Budget,
                 where: str) -> torch.Tensor:
     """A tensor inside a plain value, assembled from its chunks' bytes."""
     nbytes = math.prod(t.shape) * t.dtype.itemsize
-    budget[0] -= nbytes
-    if budget[0] < 0:
+    if not budget.take(nbytes):
         raise UnsupportedError(
             f"{where}: tensor {fqn!r} is part of a plain value (not a module's or an optimizer's state dict), which "
-            f"omnickpt reads into memory when it reads the checkpoint's metadata, and such tensors exceed "
-            f"{MAX_INLINE_BYTES >> 20} MiB; load this entry with dcp.load, or save it as a module's state dict")
+            f"omnickpt reads into memory when it reads the checkpoint's metadata, and such tensors (with the values "
+            f"read with them) exceed {MAX_INLINE_BYTES >> 20} MiB; load this entry with dcp.load, or save it as a "
+            "module's state dict")
     out = torch.empty(t.shape, dtype=t.dtype)
     held = 0
     for c, at in located:
@@ -1060,24 +1238,32 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     leaf torch.save'd. Load it with `sd = {"model": get_model_state_dict(m), "optim":
     get_optimizer_state_dict(m, o)}; dcp.load(sd, checkpoint_id=dst); set_state_dict(m, o,
     model_state_dict=sd["model"], optim_state_dict=sd["optim"])`. Per-rank objects (a dataloader's
-    positions, RNG states) are written as the lowest saving rank's value.
+    positions, RNG states) are written as the lowest saving rank's value. A tensor saved at the top level
+    (a name with no "/") is the top-level key of that name, as `dcp.save({"w": t})` writes it.
+
+    Every entry is keyed exactly as `dcp.save` would key the same nested state dict (its flatten rules:
+    the path joined with "."), so two entries whose paths join to the same key (`{"a.b": x}` beside
+    `{"a": {"b": y}}`), or a value where another entry needs a container, cannot both be written: they are
+    refused (UnsupportedError naming both) before anything is written, as dcp.save refuses them.
 
     Streams: one file `__0_0.distcp`, written box by box in the source's own layout (a box above
     EXPORT_CHUNK_BYTES as several chunks of whole rows), each read (and verified against the source's
     checksums where it has them) just before it is written, so memory stays near the largest such
     chunk whatever the checkpoint's size; `.metadata` is written last, with DCP's own classes. `dst`
     must not hold a checkpoint yet. Returns {"path", "tensors", "chunks", "values", "bytes", "seconds"}.
-    A failed export removes what it wrote.
+    A failed export removes what it wrote (and `dst` itself when the export made it); a write that fails
+    (a full disk, a read-only file system) raises StorageError naming the file and what to do.
     """
     # Export is an api-level flow over any checkpoint; read_manifest gives the errors for folders
     # holding none (imported here: api imports the readers of this package).
     from omnickpt.formats import read_manifest as read_any
     from omnickpt.engine.load import check_file_sizes, read_objects, read_tensors
-    from omnickpt.formats.export import byte_progress, local_dir
+    from omnickpt.formats.export import FULL_DISK_HINT, byte_progress, local_dir, make_destination, remove_written
     from omnickpt.layout import Box
     from omnickpt.monitor import PhaseTimer
     from omnickpt.planner import plan_reads
     from omnickpt.storage import storage_for
+    from omnickpt.storage.base import os_failure
     from omnickpt.storage.linked import with_siblings
 
     t0 = time.perf_counter()
@@ -1088,8 +1274,10 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     manifest = read_any(storage)
     storage = with_siblings(storage, str(src), manifest.files)   # an incremental checkpoint's referenced files
     objects = read_objects(storage, manifest, list(manifest.objects), 0, allow_pickle=allow_pickle, timer=PhaseTimer())
+    state, owners = _export_state(manifest, objects, storage.describe())
     leaves: list[tuple[tuple, Any]] = []
-    _traverse(_export_state(manifest, objects), leaves.append)
+    _traverse(state, leaves.append)
+    _refuse_key_collisions(leaves, owners, storage.describe())
     values = [(".".join(map(str, path)), v) for path, v in leaves if not isinstance(v, (_TensorSlot, torch.Tensor))]
     # plain tensors inside objects are tensors to DCP too (one chunk each): dcp.load fills its target's in place
     plain = [(".".join(map(str, path)), v) for path, v in leaves if isinstance(v, torch.Tensor)]
@@ -1113,16 +1301,19 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     for it in items:
         by_piece[it.dest].append(dataclasses.replace(it, dest=0))
     _check_export_destination(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    created = make_destination(out_dir)
     data_name = f"__0_0{DATA_SUFFIX}"
     written: list[str] = []
     total = sum(box.numel * dtype.itemsize for _, _, dtype, box in pieces)
     bar = byte_progress(total, progress)
     # (flat key, None for a value or (global shape, dtype, box) for a tensor chunk, offset, length)
     records: list[tuple[str, Any, int, int]] = []
+    path = os.path.join(out_dir, data_name)
+    sink: _Sink | None = None
     try:
-        with open(os.path.join(out_dir, data_name), "xb") as f:
-            written.append(f.name)
+        with open(path, "xb") as raw_file:
+            written.append(path)
+            f = sink = _Sink(raw_file)
             for flat, value in values:
                 at = f.tell()
                 torch.save(value, f)
@@ -1142,28 +1333,53 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
                     bar.update(box.numel * dtype.itemsize)
                 del t
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(raw_file.fileno())
         metadata = _export_metadata(leaves, records, data_name, out_dir)
-        tmp = os.path.join(out_dir, f"{METADATA_NAME}.tmp")
-        with open(tmp, "xb") as f:
-            written.append(tmp)
+        path = os.path.join(out_dir, f"{METADATA_NAME}.tmp")
+        with open(path, "xb") as f:
+            written.append(path)
             pickle.dump(metadata, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(out_dir, METADATA_NAME))
+        os.replace(path, os.path.join(out_dir, METADATA_NAME))
         written[-1] = os.path.join(out_dir, METADATA_NAME)
-    except BaseException:
-        for path in written:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    except BaseException as e:
+        remove_written(written, out_dir if created else None)
+        # torch.save reports a failed write as a RuntimeError ("unexpected pos"): the sink kept the OSError
+        cause = e if isinstance(e, OSError) else sink.error if sink is not None else None
+        if cause is not None:
+            raise os_failure("writing the DCP export", path, cause, device=out_dir, hint=FULL_DISK_HINT) from cause
         raise
     finally:
         if bar is not None:
             bar.close()
     return {"path": out_dir, "tensors": len({name for _, name, _, _ in pieces}), "chunks": len(pieces),
             "values": len(values) + len(plain), "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+class _Sink:
+    """The data file as torch.save sees it, keeping the OSError of a failed write: torch's zip writer turns
+    that error into a RuntimeError ("unexpected pos 704 vs 598") that no longer says the disk is full."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 def _row_pieces(box, itemsize: int):
@@ -1185,10 +1401,14 @@ def _check_export_destination(out_dir: str) -> None:
                               + "); pass an empty or new folder")
 
 
-def _export_state(manifest: Manifest, objects: dict[str, Any]) -> dict:
+def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tuple[dict, dict[tuple, str]]:
     """The nested state dict to write: what get_model_state_dict / get_optimizer_state_dict give, under
-    the checkpoint's state keys, with `_TensorSlot`s where its tensors go."""
+    the checkpoint's state keys, with `_TensorSlot`s where its tensors go; and, for messages, what filled
+    each path ({path: "tensor 'model/w'" or "object 'sched'"}). Two entries that need the same place (a
+    value where another needs a dict, or one path twice) are refused, naming both."""
+    from omnickpt.adapters.generic import parse_per_rank_name   # export is an api-level flow (see export_dcp)
     state: dict[str, Any] = {}
+    owners: dict[tuple, str] = {}
     claimed: set[str] = set()
 
     def slots(value: Any) -> Any:
@@ -1204,35 +1424,84 @@ def _export_state(manifest: Manifest, objects: dict[str, Any]) -> dict:
             return type(value)(slots(v) for v in value) if type(value) in (list, tuple) else value
         return value
 
+    def place(path: tuple, value: Any, who: str) -> None:
+        node = state
+        for i, part in enumerate(path[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise _collision(where, _owner(owners, path[:i + 1]), who, path[:i + 1],
+                                 "the first is a value where the second needs a container")
+        if path[-1] in node:
+            raise _collision(where, _owner(owners, path), who, path, "both fill it")
+        node[path[-1]] = value
+        owners[path] = who
+
     for key, value in objects.items():
         top, _, rest = key.partition("/")
         value = slots(value)
+        who = f"object {key!r}"
         if rest:     # a per-object key (Megatron's ShardedObjects: "<state key>/<unique key>")
-            node = state.setdefault(top, {})
-            if isinstance(node, dict):
-                node[rest] = value
+            place((top, rest), value, who)
             continue
         if _is_optimizer_object(value):
-            state[key] = {"state": {fqn: dict(v) for fqn, v in (value.get("state") or {}).items()},
-                          "param_groups": value["param_groups"]}
+            place((key,), {"state": {fqn: dict(v) for fqn, v in (value.get("state") or {}).items()},
+                           "param_groups": value["param_groups"]}, who)
         elif isinstance(value, dict) and isinstance(state.get(key), dict):
-            state[key].update(value)
+            for k, v in value.items():
+                place((key, k), v, who)
         else:
-            state[key] = value
+            place((key,), value, who)
     for name in manifest.tensors:
         if name in claimed:
             continue
+        if parse_per_rank_name(name) is not None:
+            continue   # another rank's copy of a plain value's tensor: values are written as the lowest rank's
+        who = f"tensor {name!r}"
         top, _, rest = name.partition("/")
-        node = state.setdefault(top, {})
-        if not isinstance(node, dict):
-            raise UnsupportedError(f"tensor {name!r}: its state entry {top!r} is a plain value, not a dict; it cannot "
-                                   "be written as a DCP state dict entry")
-        if "state" in node and "param_groups" in node and rest.startswith("state/"):
+        if not rest:     # saved at the top level: DCP's key is the name itself (dcp.save({"w": t}) -> "w")
+            place((name,), _TensorSlot(name), who)
+            continue
+        node = state.get(top)
+        if isinstance(node, dict) and "state" in node and "param_groups" in node and rest.startswith("state/"):
             fqn, _, k = rest[len("state/"):].rpartition("/")
-            node["state"].setdefault(fqn, {})[k] = _TensorSlot(name)
+            place((top, "state", fqn, k), _TensorSlot(name), who)
         else:
-            node[rest] = _TensorSlot(name)
-    return state
+            place((top, rest), _TensorSlot(name), who)
+    return state, owners
+
+
+def _owner(owners: dict[tuple, str], path: tuple) -> str:
+    """What filled `path` or the nearest place above it (a value placed whole owns what lies inside it)."""
+    return next((owners[path[:n]] for n in range(len(path), 0, -1) if path[:n] in owners), "an entry")
+
+
+_RENAME_ONE = ("Nothing was written: rename one of them (a tensor: `omnickpt convert SRC NEW --to omnickpt --transform "
+               "'Rename(...)'`, then export NEW; a value: in the state you save) and export again")
+
+
+def _collision(where: str, first: str, second: str, path: tuple, how: str) -> UnsupportedError:
+    return UnsupportedError(f"{where}: {first} and {second} both need the state dict entry {list(path)} ({how}); a "
+                            f"DCP state dict holds one value per path, so one of them would be lost. {_RENAME_ONE}")
+
+
+def _refuse_key_collisions(leaves: list[tuple[tuple, Any]], owners: dict[tuple, str], where: str) -> None:
+    """Refuse two leaves whose paths join to the same DCP key (DCP joins a path with ".", so
+    ("a.b",) and ("a", "b") are both "a.b"): the metadata can hold only one of them, and torch's own
+    dcp.save raises "duplicated flatten key" for such a state dict."""
+    seen: dict[str, tuple] = {}
+    for path, value in leaves:
+        flat = ".".join(map(str, path))
+        if flat in seen:
+            first = _leaf_owner(owners, *seen[flat])
+            raise UnsupportedError(
+                f"{where}: {first} at {list(seen[flat][0])} and {_leaf_owner(owners, path, value)} at {list(path)} "
+                f"would both be written as the DCP key {flat!r} (DCP joins a path in the state dict with '.'); "
+                f"torch's dcp.save refuses such a state dict and dcp.load could fill only one of them. {_RENAME_ONE}")
+        seen[flat] = (path, value)
+
+
+def _leaf_owner(owners: dict[tuple, str], path: tuple, value: Any) -> str:
+    return f"tensor {value.name!r}" if isinstance(value, _TensorSlot) else _owner(owners, path)
 
 
 def _is_optimizer_object(value: Any) -> bool:

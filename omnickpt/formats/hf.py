@@ -28,8 +28,9 @@ import torch
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsupportedError
 from omnickpt.format import FileEntry, Manifest, SavedBox, TensorEntry, dtype_from_name, dtype_name
 from omnickpt.format.manifest import safe_relative_path
-from omnickpt.formats.export import byte_progress, local_dir
+from omnickpt.formats.export import FULL_DISK_HINT, byte_progress, local_dir, make_destination, remove_written
 from omnickpt.storage import Storage
+from omnickpt.storage.base import os_failure
 
 log = logging.getLogger("omnickpt")
 
@@ -45,6 +46,8 @@ _MAX_DIMS = 64
 _MAX_INT = 1 << 62
 # The key our manifest files a Hugging Face folder's tensors under; the api binds it to the state's module.
 KEY = "model"
+# export_hf's `key` for tensors saved at the top level of the state (names with no "/": `Rename`d ones, say).
+TOP_LEVEL = ""
 
 # safetensors dtype names omnickpt reads and writes. Names are looked up in this table only.
 _DTYPES: dict[str, torch.dtype] = {
@@ -288,8 +291,11 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
 
     `src` is anything omnickpt reads (an omnickpt checkpoint of any world size and layout, a Hugging
     Face folder, a DCP checkpoint); `transforms` rewrite its manifest first (e.g. Megatron names to
-    Hugging Face ones). `key` defaults to the only state entry holding tensors that is not an
-    optimizer, else "model". The tensors under `key/` are written under the rest of their names (the
+    Hugging Face ones). `key` defaults to the only state entry holding a model's tensors (not an optimizer's,
+    not a plain value's; TOP_LEVEL, "", for tensors saved at the top level of the state), else "model". An
+    optimizer's state is never exported as a model: asked for by `key` or the only entry with tensors, it is
+    refused (UnsupportedError naming it and the model entries there are). The tensors under `key/` are written
+    under the rest of their names (the
     module's own parameter names) to `model.safetensors`, or, past `max_shard_size` bytes, to
     `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, with
     `__metadata__ = {"format": "pt"}`. `dtype` casts floating-point tensors (integer and bool ones
@@ -303,9 +309,10 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     checksums where it has them), cast, and written at its offset, on `workers` threads; tensors in
     flight are bounded to about the largest one, so memory stays a few times the largest tensor (its
     landing buffer and its copy, and what the allocator keeps), whatever the model's size. `dst` must
-    be a local folder holding no safetensors files yet. Returns {"path", "key", "files", "tensors",
-    "bytes", "seconds", "dropped": {name: the name it duplicates}, "config": bool}. A failed export
-    removes the files it wrote.
+    be a local folder holding no safetensors files yet. Returns {"path", "key", "entry": what was exported in
+    words ("state entry 'model' (fsdp2)"), "files", "tensors", "bytes", "seconds", "dropped": {name: the name
+    it duplicates}, "config": bool}. A failed export removes the files it wrote (and `dst` when it made it); a
+    write that fails (a full disk, a read-only file system) raises StorageError naming the file.
     """
     # Export is an api-level flow over any checkpoint; read_manifest gives the errors for folders
     # holding none (imported here: api imports the readers of this package).
@@ -327,8 +334,9 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     for transform in transforms:
         manifest = transform.apply(manifest)
     key = _module_key(manifest, key, storage.describe())
-    prefix = f"{key}/"
-    entries = {n[len(prefix):]: (n, t) for n, t in manifest.tensors.items() if n.startswith(prefix)}
+    exported = _describe_entry(manifest, key)
+    log.info("omnickpt: exporting %s of %s to %s", exported, src, dst)
+    entries = {n: (full, manifest.tensors[full]) for n, full in _entry_tensors(manifest, key).items()}
     config = (manifest.layout.get("metadata") or {}).get("config")
     config = dict(config) if isinstance(config, dict) else None
     dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
@@ -360,7 +368,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     files = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     _check_destination(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    created = make_destination(out_dir)
     total = sum(math.prod(o[4]) * o[3].itemsize for o in out)
     written_paths: list[str] = []
     fds: list[int] = []
@@ -368,15 +376,17 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
         try:
             for fname, (header, data_size, _) in zip(files, layouts):
                 path = os.path.join(out_dir, fname)
-                fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+                fd = _os_call("creating", path, os.open, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                              0o644)
+                fds.append(fd)
                 written_paths.append(path)
-                os.ftruncate(fds[-1], len(header) + data_size)
-                _pwrite_all(fds[-1], memoryview(header), 0, path)
+                _os_call("sizing", path, os.ftruncate, fd, len(header) + data_size)
+                _pwrite_all(fd, memoryview(header), 0, path)
             tasks = [(fds[k], os.path.join(out_dir, files[k]), len(header) + offset, shards[k][local])
                      for k, (header, _, offsets) in enumerate(layouts) for local, offset in offsets.items()]
             _write_tensors(storage, manifest, out, by_tensor, tasks, workers, progress, total)
-            for fd in fds if durable else ():
-                os.fsync(fd)
+            for fd, path in zip(fds, written_paths) if durable else ():
+                _os_call("syncing", path, os.fsync, fd)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -391,14 +401,18 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
                     config["torch_dtype"] = config["dtype"]
             written_paths.append(_write_json(out_dir, CONFIG_FILE, config, durable))
     except BaseException:
-        for path in written_paths:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        remove_written(written_paths, out_dir if created else None)
         raise
-    return {"path": out_dir, "key": key, "files": files, "tensors": len(out), "bytes": total,
+    return {"path": out_dir, "key": key, "entry": exported, "files": files, "tensors": len(out), "bytes": total,
             "seconds": time.perf_counter() - t0, "dropped": dropped, "config": config is not None}
+
+
+def _os_call(op: str, path: str, fn, *args):
+    """`fn(*args)`, an OSError as the StorageError that names `path` and says what to do."""
+    try:
+        return fn(*args)
+    except OSError as e:
+        raise os_failure(f"{op} the Hugging Face export file", path, e, device=path, hint=FULL_DISK_HINT) from e
 
 
 def _check_destination(out_dir: str) -> None:
@@ -413,21 +427,77 @@ def _check_destination(out_dir: str) -> None:
 
 
 def _module_key(manifest: Manifest, key: str | None, where: str) -> str:
-    keys = sorted({n.split("/", 1)[0] for n in manifest.tensors if "/" in n})
+    """The state entry whose tensors export_hf writes: `key` when given, else the only entry holding a model's
+    tensors, else "model" (TOP_LEVEL for tensors saved at the top level of the state). An entry holding an
+    optimizer's state is refused either way (UnsupportedError): its moments are no model's weights, and
+    writing them under the parameters' names makes a folder that loads without complaint."""
+    from omnickpt.adapters.generic import parse_per_rank_name   # export is an api-level flow
+    by_key: dict[str, list[str]] = {}
+    for name in manifest.tensors:
+        top, sep, _ = name.partition("/")
+        by_key.setdefault(top if sep else TOP_LEVEL, []).append(name)
+    optimizers = {k: kind for k, names in by_key.items() if (kind := _optimizer_kind(manifest, k, names))}
+    # Tensors of plain values saved per rank ("extra/buf/@rank0"): no module's either.
+    values = sorted(k for k, names in by_key.items()
+                    if k not in optimizers and all(parse_per_rank_name(n) is not None for n in names))
+    modules = [k for k in sorted(by_key) if k not in optimizers and k not in values]
+    shown = ", ".join(_entry_label(k) for k in sorted(by_key)) or "none"
     if key is not None:
-        if key not in keys:
-            raise MismatchError(f"{where} holds no tensors under {key!r} (state entries with tensors: "
-                                f"{', '.join(keys) or 'none'}); pass key= one of them", [f"{key}: missing"])
+        if key not in by_key:
+            raise MismatchError(f"{where} holds no tensors under {key!r} (state entries with tensors: {shown}); "
+                                "pass key= one of them", [f"{key}: missing"])
+        if key in optimizers:
+            raise UnsupportedError(
+                f"{where}: {_entry_label(key)} holds an optimizer's state ({optimizers[key]}; tensors such as "
+                f"{by_key[key][0]!r}), not a model's weights, and a Hugging Face folder holds a model only: pass "
+                f"key= the model's entry ({', '.join(map(_entry_label, modules)) or 'this checkpoint has none'}); "
+                "to keep optimizer state, convert to omnickpt or dcp instead")
         return key
-    frameworks = manifest.layout.get("frameworks") or {}
-    # An optimizer's recorded framework is its class path ('torch.optim.adam.Adam'); a module's has no dot.
-    modules = [k for k in keys if "." not in str(frameworks.get(k, ""))]
     if len(modules) == 1:
         return modules[0]
-    if "model" in keys:
+    if "model" in modules:
         return "model"
+    if not modules and by_key:
+        held = "; ".join([f"{_entry_label(k)} holds an optimizer's state ({kind})" for k, kind in optimizers.items()]
+                         + [f"{_entry_label(k)} holds a plain value's tensors" for k in values])
+        raise UnsupportedError(
+            f"{where}: no state entry holds a model's weights to export ({held}); a Hugging Face folder holds a "
+            "model only. Save the model under a key of its own (omnickpt.save(path, {'model': model, ...})) and "
+            "export that, or pass key= to export a plain value's tensors on purpose")
     raise MismatchError(f"{where}: which state entry is the model is ambiguous (entries with tensors: "
-                        f"{', '.join(keys) or 'none'}); pass key=", [f"{k}: candidate" for k in modules])
+                        f"{shown}); pass key=", [f"{k}: candidate" for k in modules])
+
+
+def _optimizer_kind(manifest: Manifest, key: str, names: list[str]) -> str | None:
+    """Why the tensors `names` under `key` are an optimizer's state, in words, or None when they are not."""
+    framework = str((manifest.layout.get("frameworks") or {}).get(key) or "")
+    if "." in framework:    # omnickpt's optimizer adapter records its class path, 'torch.optim.adam.Adam'
+        return framework
+    # How every reader names optimizer state (omnickpt's adapters, DCP's and Megatron's checkpoints):
+    # "<key>/state/<parameter>/<exp_avg|exp_avg_sq|step|...>"; a module's tensor is "<key>/<fqn>".
+    if key and all(n.startswith(f"{key}/state/") and n.count("/") >= 3 for n in names):
+        return "tensors state/<parameter>/<moment>"
+    return None
+
+
+def _entry_label(key: str) -> str:
+    return "the top-level tensors" if key == TOP_LEVEL else repr(key)
+
+
+def _entry_tensors(manifest: Manifest, key: str) -> dict[str, str]:
+    """{name in the exported folder: manifest tensor name} of the entry `key`."""
+    if key == TOP_LEVEL:
+        return {n: n for n in manifest.tensors if "/" not in n}
+    prefix = f"{key}/"
+    return {n[len(prefix):]: n for n in manifest.tensors if n.startswith(prefix)}
+
+
+def _describe_entry(manifest: Manifest, key: str) -> str:
+    """What export_hf writes, for its summary and log: "state entry 'model' (fsdp2)", "the top-level tensors"."""
+    if key == TOP_LEVEL:
+        return "the top-level tensors of the state"
+    framework = (manifest.layout.get("frameworks") or {}).get(key)
+    return f"state entry {key!r}" + (f" ({framework})" if framework else "")
 
 
 def _tied_duplicates(tensors: dict[str, TensorEntry], config: dict | None) -> dict[str, str]:
@@ -555,7 +625,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
             n = os.pwrite(fd, data[:1 << 30], offset)
             data, offset = data[n:], offset + n
     except OSError as e:
-        raise os_failure("writing", path, e, needed=len(data), device=path) from e
+        raise os_failure("writing", path, e, needed=len(data), device=path, hint=FULL_DISK_HINT) from e
 
 
 def _write_json(out_dir: str, name: str, doc: dict, durable: bool = True) -> str:
@@ -567,9 +637,11 @@ def _write_json(out_dir: str, name: str, doc: dict, durable: bool = True) -> str
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(path):
             os.unlink(path)
+        if isinstance(e, OSError):
+            raise os_failure("writing the Hugging Face export file", path, e, device=path, hint=FULL_DISK_HINT) from e
         raise
     return path
 

@@ -77,7 +77,7 @@ class LocalStorage:
         """The real path of `rel`, to open; UnsafeCheckpointError if it leads outside the root."""
         path = self._path(rel)
         real = os.path.realpath(path)
-        if not _under(real, self._real_root()):
+        if not _under(real, self._real_root()) and not _hub_blob(self._real_root(), real):
             raise UnsafeCheckpointError(
                 f"{what} {path} {_leads(path, real)} outside the checkpoint {self.root}; refusing to read it "
                 "(a checkpoint must hold its own files: copy the file in instead of linking to it)")
@@ -346,6 +346,21 @@ class LocalStorage:
 # ---------------------------------------------------------------------- helpers
 def _under(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _hub_blob(root: str, real: str) -> bool:
+    """Whether `real` is a file of the Hugging Face Hub cache repository that the checkpoint `root` is a snapshot
+    of. The hub keeps a download as <cache>/<models|datasets|spaces>--<org>--<name>/{blobs/<hash>,
+    snapshots/<revision>/<file> -> ../../blobs/<hash>, refs/<branch>}: the folder snapshot_download() returns
+    holds only links into its own repository's blobs/, which is the layout, not an escape. Only a link from a
+    root inside snapshots/<revision>/ to a file directly in that repository's blobs/ qualifies."""
+    parts = root.split(os.sep)
+    if "snapshots" not in parts:
+        return False
+    i = len(parts) - 1 - parts[::-1].index("snapshots")
+    if i < 1 or i + 1 >= len(parts) or not parts[i - 1].startswith(("models--", "datasets--", "spaces--")):
+        return False
+    return os.path.dirname(real) == os.path.join(os.sep.join(parts[:i]), "blobs")
 
 
 def _leads(path: str, real: str) -> str:
