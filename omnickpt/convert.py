@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import math
 import os
 import posixpath
@@ -133,7 +132,8 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     turn finite values into inf or non-zero values into 0 is refused (UnsupportedError naming the
     tensor and the counts) unless `allow_lossy_cast`; then the summary's "lossy_casts" counts them.
 
-    Returns a summary dict (at least "to" and "path"; "lossy": the tensors the source holds lossy,
+    Returns a summary dict (at least "to" and "path"; to="hf" adds "key" and "entry", the state entry it
+    exported in words, e.g. "the top-level tensors of the state"; "lossy": the tensors the source holds lossy,
     quantized, with their scheme and largest error; "lossy_casts": {tensor: {"overflow", "flush"}}).
     Raises UnsupportedError for an option the target does not take or an exporter that is not
     available, CheckpointError when `dst` is not empty or overlaps `src`, and what reading the source
@@ -156,17 +156,13 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
             source = transform.apply(source)
         lossy = dict(source.quantized)
         export_hf = _exporter("omnickpt.formats.hf", "export_hf", "Hugging Face")
-        losses = CastLosses(allow_lossy_cast)
-        hooked = "losses" in inspect.signature(export_hf).parameters
-        if cast is not None and not hooked:
-            _check_hf_casts(str(src), key, cast, transforms, losses, workers)
+        losses = CastLosses(allow_lossy_cast)   # the export casts each tensor through it as it writes it
         result = export_hf(str(src), str(dst), key=key, dtype=cast, max_shard_size=size or HF_SHARD_BYTES,
-                           transforms=tuple(transforms), workers=workers, progress=progress,
-                           **({"losses": losses} if hooked else {}))
-        prefix = f"{(result or {}).get('key', key)}/"
-        lossy = {n: r for n, r in lossy.items() if n.startswith(prefix)}
+                           transforms=tuple(transforms), workers=workers, progress=progress, losses=losses)
+        # the records of the entry exported ("entry" says which in words); key "" is the top-level tensors
+        lossy = {n: r for n, r in lossy.items() if (n.split("/", 1)[0] if "/" in n else "") == result["key"]}
         if losses.counts:
-            result = dict(result or {}, lossy_casts=losses.counts)
+            result = dict(result, lossy_casts=losses.counts)
     elif to == "dcp":
         given = [n for n, v in (("key", key), ("dtype", cast), ("max_shard_size", size),
                                 ("transforms", tuple(transforms))) if v]
@@ -187,20 +183,6 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         # hf and dcp have nowhere to record it: the summary is the one place that still says so
         result.setdefault("lossy", lossy)
     return result
-
-
-def _check_hf_casts(src: str, key: str | None, dtype: torch.dtype, transforms: Sequence[Any], losses: CastLosses,
-                    workers: int) -> None:
-    """Count (or refuse) what a cast of the exported tensors loses, before the export writes anything.
-    Only for an export_hf without the `losses=` hook (formats/hf.py casts each tensor it writes: with
-    the hook it counts there, in the one read it makes, and this second read goes away)."""
-    from omnickpt.formats import hf
-    with CheckpointReader(src, transforms=transforms, workers=workers) as reader:
-        key = key or hf._module_key(reader.manifest, None, reader.location)
-        for name in _selected(reader.names(), key):
-            info = reader.info(name)
-            if info.dtype.is_floating_point and info.dtype != dtype:
-                losses.cast(reader.get(name), dtype, name)
 
 
 def _exporter(module: str, name: str, what: str):

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import omnickpt
@@ -387,3 +388,40 @@ def test_diff_against_exact_zeros_of_b_reports_inf_counts_them_and_gives_the_rto
     # an infinity against a number is an infinite difference, not 1.8e308
     inf = _weights(str(tmp_path / "inf"), [float("inf"), 2.0, 0.0, 4.0])
     assert diff(inf, a).tensors[0]["max_abs"] == float("inf")
+
+
+# ------------------------------------------------------------------ hf export: the casts of the entry it writes
+def _top_level_extreme(tmp_path) -> str:
+    """_extreme's model with its tensors at the top level of the state ("weight", no "model/" above it), as
+    dcp.save({**model.state_dict()}) keeps them (omnickpt.save files plain top-level tensors as objects)."""
+    from omnickpt.transforms import Rename
+    flat = str(tmp_path / "flat")
+    convert(_extreme(tmp_path), flat, to="omnickpt", transforms=[Rename.regex("^model/", "")], progress=False)
+    return flat
+
+
+def test_an_hf_cast_of_top_level_tensors_is_refused_naming_the_tensor_then_counted_with_the_entry(tmp_path):
+    src = _top_level_extreme(tmp_path)
+    dst = str(tmp_path / "half")
+    with pytest.raises(UnsupportedError) as e:
+        convert(src, dst, to="hf", dtype="float16", progress=False)
+    assert str(e.value).startswith("weight: casting float32 to float16 would turn 2 finite value(s) into inf")
+    assert not os.path.exists(dst)   # the export made the folder, and removed it with what it had written
+    out = convert(src, dst, to="hf", dtype="float16", progress=False, allow_lossy_cast=True)
+    assert out["lossy_casts"] == {"weight": {"overflow": 2, "flush": 1}}
+    assert out["key"] == "" and out["entry"] == "the top-level tensors of the state"
+    written = load_file(os.path.join(dst, "model.safetensors"))
+    assert written["weight"].dtype == torch.float16 and int(torch.isinf(written["weight"]).sum()) == 2
+
+
+def test_the_cli_says_which_entry_an_hf_conversion_exported(tmp_path, capsys):
+    src = _top_level_extreme(tmp_path)
+    dst = str(tmp_path / "half")
+    assert cli(["convert", src, dst, "--to", "hf", "--dtype", "float16"]) == 1
+    assert "weight: casting float32 to float16" in capsys.readouterr().err and not os.path.exists(dst)
+    assert cli(["convert", src, dst, "--to", "hf", "--dtype", "float16", "--allow-lossy-cast"]) == 0
+    out = capsys.readouterr().out
+    assert "(hf) from the top-level tensors of the state: tensors 2, files 1" in out
+    assert "note: weight: the cast turned 2 finite value(s) into inf and 1 non-zero value(s) into 0" in out
+    assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "named"), "--to", "hf"]) == 0
+    assert "(hf) from state entry 'model' (plain): tensors 2" in capsys.readouterr().out

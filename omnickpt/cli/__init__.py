@@ -189,8 +189,12 @@ def _convert(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
-        details = ", ".join(f"{k} {result[k]}" for k in ("tensors", "objects", "files", "bytes") if k in result)
-        print(f"converted {args.src} -> {result['path']} ({args.to})" + (f": {details}" if details else "")
+        # an hf export lists its files by name: counted here, as the other targets count theirs
+        details = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}"
+                            for k in ("tensors", "objects", "files", "bytes") if (v := result.get(k)) is not None)
+        # which entry an hf export wrote: the exporter picks it when --key is not given
+        source = f" from {result['entry']}" if result.get("entry") else ""
+        print(f"converted {args.src} -> {result['path']} ({args.to}){source}" + (f": {details}" if details else "")
               + (f" in {result['seconds']:.2f} s" if isinstance(result.get("seconds"), float) else ""))
         for line in _convert_notes(result, args.to):
             print(f"note: {line}")

@@ -27,6 +27,7 @@ import torch
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsupportedError
 from omnickpt.format import FileEntry, Manifest, SavedBox, TensorEntry, dtype_from_name, dtype_name
+from omnickpt.format.cast import CastLosses
 from omnickpt.format.manifest import safe_relative_path
 from omnickpt.formats.export import FULL_DISK_HINT, byte_progress, local_dir, make_destination, remove_written
 from omnickpt.storage import Storage
@@ -284,7 +285,7 @@ def _tensor_record(rec: Any, data_bytes: int) -> tuple[torch.dtype, tuple[int, .
 # ---------------------------------------------------------------------- export
 def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype | None = None,
               max_shard_size: int = 5 * 10**9, transforms: Sequence[Any] = (), workers: int = 4,
-              progress: bool = True, durable: bool = True) -> dict:
+              progress: bool = True, durable: bool = True, losses: CastLosses | None = None) -> dict:
     """Write the module saved under `key` in the checkpoint at `src` as a Hugging Face folder at `dst`.
     With `durable` (the default) every file is fsynced before this returns; durable=False leaves
     that to the OS (an export for a quick evaluation, as DCP's consolidated files are written).
@@ -295,14 +296,15 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     not a plain value's; TOP_LEVEL, "", for tensors saved at the top level of the state), else "model". An
     optimizer's state is never exported as a model: asked for by `key` or the only entry with tensors, it is
     refused (UnsupportedError naming it and the model entries there are). The tensors under `key/` are written
-    under the rest of their names (the
-    module's own parameter names) to `model.safetensors`, or, past `max_shard_size` bytes, to
-    `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, with
-    `__metadata__ = {"format": "pt"}`. `dtype` casts floating-point tensors (integer and bool ones
-    keep theirs). config.json is written from the checkpoint's `layout["metadata"]["config"]` when
-    present (with its dtype updated on a cast). When that config ties the word embeddings and
-    `lm_head.weight` holds the same values as another tensor (same stored bytes, or equal chunk
-    checksums), or two names point at the same stored bytes, the duplicate is written once, as
+    under the rest of their names (the module's own parameter names) to `model.safetensors`, or, past
+    `max_shard_size` bytes, to `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, with
+    `__metadata__ = {"format": "pt"}`. `dtype` casts floating-point tensors (integer and bool ones keep
+    theirs); with `losses` (format/cast.py) every cast goes through it: one that turns finite values into inf
+    or non-zero values into 0 fails the export (UnsupportedError naming the tensor) unless `losses` allows it,
+    and then is counted in `losses.counts`. config.json is written from the checkpoint's
+    `layout["metadata"]["config"]` when present (with its dtype updated on a cast). When that config ties the
+    word embeddings and `lm_head.weight` holds the same values as another tensor (same stored bytes, or equal
+    chunk checksums), or two names point at the same stored bytes, the duplicate is written once, as
     `save_pretrained` does.
 
     Streams: each tensor is read whole (from all its boxes, verified against the checkpoint's
@@ -384,7 +386,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
                 _pwrite_all(fd, memoryview(header), 0, path)
             tasks = [(fds[k], os.path.join(out_dir, files[k]), len(header) + offset, shards[k][local])
                      for k, (header, _, offsets) in enumerate(layouts) for local, offset in offsets.items()]
-            _write_tensors(storage, manifest, out, by_tensor, tasks, workers, progress, total)
+            _write_tensors(storage, manifest, out, by_tensor, tasks, workers, progress, total, losses)
             for fd, path in zip(fds, written_paths) if durable else ():
                 _os_call("syncing", path, os.fsync, fd)
         finally:
@@ -572,8 +574,9 @@ def _file_layout(tensors: Sequence[tuple[str, str, torch.dtype, torch.dtype, tup
 
 
 def _write_tensors(storage: Storage, manifest: Manifest, out, by_tensor, tasks, workers: int, progress: bool,
-                   total: int) -> None:
-    """Read, cast and pwrite every tensor; at most about the largest tensor's bytes are in flight."""
+                   total: int, losses: CastLosses | None = None) -> None:
+    """Read, cast (through `losses` when given) and pwrite every tensor; at most about the largest tensor's
+    bytes are in flight. The first failure cancels the tensors not yet started and is raised."""
     from omnickpt.engine.load import read_tensors
     from omnickpt.layout import Box
     from omnickpt.monitor import PhaseTimer
@@ -594,7 +597,9 @@ def _write_tensors(storage: Storage, manifest: Manifest, out, by_tensor, tasks, 
             if by_tensor[i]:
                 read_tensors(storage, manifest, by_tensor[i], [Box.full(shape)], [t], io, verify=True,
                              timer=PhaseTimer())
-            t = t.to(written) if written != stored else t
+            if written != stored:
+                # checked here, in the one read the export makes, not by a second pass over the source
+                t = losses.cast(t, written, full) if losses is not None else t.to(written)
             if t.numel():
                 _pwrite_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), at, path)
             del t
@@ -609,9 +614,15 @@ def _write_tensors(storage: Storage, manifest: Manifest, out, by_tensor, tasks, 
     tasks = sorted(tasks, key=lambda t: -sizes[t[3]])
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="omnickpt-export-io") as io, \
             ThreadPoolExecutor(max(1, workers), thread_name_prefix="omnickpt-export") as pool:
+        futures = [pool.submit(one, *task) for task in tasks]
         try:
-            for f in [pool.submit(one, *task) for task in tasks]:
+            for f in futures:
                 f.result()
+        except BaseException:
+            # a refused cast or a full disk fails the export: the tensors after it would only be removed again
+            for f in futures:
+                f.cancel()
+            raise
         finally:
             if bar is not None:
                 bar.close()
