@@ -17,6 +17,12 @@ capped by max_interval.
 `choose_interval` is the pure rule; `Cadence` keeps the measurements (medians of the recent ones,
 so one slow step or save does not swing the interval) and answers `due(step)`. Nothing here
 touches storage or processes: the manager feeds it and asks it.
+
+A save that fails (on_error="warn" lets training go on) still counts as the cadence's attempt: the
+next one is due an interval after it, not at the next step. Failures in a row space the attempts
+out further (`backoff`: 2, 4, then 8 intervals at most; "continuous" counts 1 step as its interval),
+so that storage that is down costs the loop a failed attempt now and then, not one per step; the
+first save that succeeds restores the interval.
 """
 from __future__ import annotations
 
@@ -27,6 +33,12 @@ from dataclasses import dataclass
 
 MODES = ("auto", "continuous")
 _WINDOW = 16   # recent measurements kept for each median
+MAX_BACKOFF = 8   # after failed saves in a row, attempts at most this many intervals apart
+
+
+def backoff(failures: int) -> int:
+    """Intervals between attempts after `failures` failed saves in a row (pure): 1, 1, 2, 4, 8, 8..."""
+    return 1 if failures <= 1 else min(2 ** (failures - 1), MAX_BACKOFF)
 
 
 def choose_interval(step_s: float, stall_s: float, background_s: float, interference_s: float = 0.0, *,
@@ -58,6 +70,7 @@ class CadenceReport:
     overhead: float | None          # measured: (stall + interference) / (interval * step)
     max_overhead: float | None
     steps_in_flight: float | None = None   # steps that ran while a save was in flight, per save (median)
+    failures_in_a_row: int = 0              # failed saves since the last one that succeeded (backoff)
 
 
 class Cadence:
@@ -65,8 +78,9 @@ class Cadence:
 
     The manager calls `observe_call(step, now, in_flight)` at every save() call (it learns the step
     time from consecutive calls, and whether a save was in flight during those steps),
-    `observe_save(stall_s, background_s)` once a save it started is durable, and `due(step,
-    in_flight)` to decide."""
+    `observe_save(stall_s, background_s)` once a save it started is durable, `saved(step)` when a
+    save starts, `failed(step)` when one fails and `succeeded()` when one is known committed, and
+    `due(step, in_flight)` to decide."""
 
     def __init__(self, every: int | str, *, max_overhead: float = 0.02, max_interval: int = 10_000):
         if isinstance(every, bool) or not (isinstance(every, int) and every >= 1 or every in MODES):
@@ -81,7 +95,8 @@ class Cadence:
         self._stalls: deque[float] = deque(maxlen=_WINDOW)
         self._backgrounds: deque[float] = deque(maxlen=_WINDOW)
         self._in_flight_steps: deque[int] = deque(maxlen=_WINDOW)
-        self._last_saved: int | None = None
+        self._last_saved: int | None = None   # the step of the last attempt, failed or not
+        self.failures = 0                     # failed attempts in a row
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
         # ranks agreed on (the coordinator's, handed out at each save), with the measurements it was
         # chosen from; None: this rank's own, on its measurements now.
@@ -106,6 +121,17 @@ class Cadence:
 
     def saved(self, step: int) -> None:
         self._last_saved = step
+
+    def failed(self, step: int | None) -> None:
+        """The save attempted at `step` failed (None: an async save, found failed later, whose
+        attempt was already counted by saved()): it counts as the attempt, and as one more failure
+        in a row."""
+        if step is not None:
+            self._last_saved = step
+        self.failures += 1
+
+    def succeeded(self) -> None:
+        self.failures = 0
 
     # ------------------------------------------------------------------ decisions
     @property
@@ -148,6 +174,11 @@ class Cadence:
         self.agreed, self._basis = interval, tuple(basis)
 
     def due(self, step: int, in_flight: bool) -> bool:
+        if self.every == "continuous" and in_flight:
+            return False
+        if self.failures and self._last_saved is not None:
+            interval = 1 if self.every == "continuous" else (self.agreed or self.interval())
+            return step - self._last_saved >= interval * backoff(self.failures)
         if self.every == "continuous":
             return not in_flight
         if self._last_saved is None:
@@ -169,4 +200,5 @@ class Cadence:
                              overhead=overhead,
                              max_overhead=self.max_overhead if self.every == "auto" else None,
                              steps_in_flight=(statistics.median(self._in_flight_steps) if self._in_flight_steps
-                                              else None))
+                                              else None),
+                             failures_in_a_row=self.failures)

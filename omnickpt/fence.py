@@ -15,10 +15,16 @@ What changes a training state's tensors, and when:
 The fence is released from the snapshot's thread; the hooks stay registered until the training
 thread removes them (at the next save or load, or in wait()/fence()), because removing a hook from
 another thread could change the hook dict while an optimizer iterates it.
+
+The same knowledge serves the checkpoint at failure (`StepWatch`, `step_stable_tensors`): the live
+parameters and optimizer state are still those of the last save() call exactly when no optimizer
+step began since (and no in-place edit moved a tensor's version counter).
 """
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -79,6 +85,84 @@ def step_stable_storages(state: dict) -> set[int]:
                 if isinstance(v, torch.Tensor) and v.numel() > 1:   # a step count changes every step: eager
                     out.add(_local(v).untyped_storage().data_ptr())
     return out
+
+
+def step_stable_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The tensors behind `step_stable_storages`, by a readable name ("model/0.weight",
+    "model/0.weight/exp_avg"): the parameters of the state's modules and the tensors of its
+    optimizers' states, DTensors as themselves (an in-place op on a DTensor moves the version
+    counter of the DTensor, not that of its local shard)."""
+    out: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for key, value in state.items():
+        modules = [(key, value)] if isinstance(value, nn.Module) else []
+        if isinstance(value, (list, tuple)):
+            modules = [(f"{key}/{i}", m) for i, m in enumerate(value) if isinstance(m, nn.Module)]
+        for prefix, module in modules:
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{prefix}/{name}")
+                out.setdefault(f"{prefix}/{name}", p)
+    for i, opt in enumerate(optimizers_in(state)):
+        for p, per_param in opt.state.items():
+            where = names.get(id(p), f"optimizer{i}/param@{id(p):x}")
+            for k, v in per_param.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"{where}/{k}"] = v
+    return out
+
+
+class StepWatch:
+    """Counts the steps of the optimizers it watches that began and that completed (a step
+    pre-hook and a post-hook on each). A step that raised never completes: `began > ended`.
+
+    The hooks hold the watch weakly and stay on the optimizers for their life (a dead watch's
+    hooks do nothing): removing them from a finalizer could change an optimizer's hook dict while
+    it iterates it, the reason SnapshotFence removes its hooks from the training thread only."""
+
+    def __init__(self):
+        self.began = 0
+        self.ended = 0
+        self.last: str | None = None   # the class of the optimizer whose step began last
+        self._watched: dict[int, weakref.ref] = {}
+
+    def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Hook every optimizer not watched yet (cheap for those that are)."""
+        for opt in optimizers:
+            known = self._watched.get(id(opt))
+            if known is not None and known() is opt:
+                continue
+            me = weakref.ref(self)
+            opt.register_step_pre_hook(functools.partial(_step_began, me))
+            opt.register_step_post_hook(functools.partial(_step_ended, me))
+            self._watched[id(opt)] = weakref.ref(opt)
+
+    def mark(self) -> tuple[int, int]:
+        return self.began, self.ended
+
+    def since(self, mark: tuple[int, int], what: str) -> str | None:
+        """Why the parameters and optimizer state are no longer those of `mark`, taken at `what`
+        (None: no optimizer step began since)."""
+        began = self.began - mark[0]
+        if began <= 0:
+            return None
+        if began > self.ended - mark[1]:
+            return (f"an optimizer step ({self.last}.step()) began after {what} and did not complete: parameters and "
+                    "optimizer state may be half updated")
+        return (f"{began} optimizer step(s) ({self.last}.step()) ran after {what}: parameters and optimizer state "
+                "are a later step's")
+
+
+def _step_began(ref: weakref.ref, optimizer, args, kwargs) -> None:
+    watch = ref()
+    if watch is not None:
+        watch.began += 1
+        watch.last = type(optimizer).__name__
+
+
+def _step_ended(ref: weakref.ref, optimizer, args, kwargs) -> None:
+    watch = ref()
+    if watch is not None:
+        watch.ended += 1
 
 
 class SnapshotFence:

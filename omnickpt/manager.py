@@ -26,12 +26,15 @@ from typing import Any
 from omnickpt.cadence import Cadence
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle, at_shutdown, default_checkpointer, step_number
 from omnickpt.errors import CheckpointError, NotCommittedError
+from omnickpt.failure import (MARKERS, StepCapture, await_markers, cannot_save, exit_kind, peer_failure, pick_savers,
+                              post_marker, replicas_of)
 from omnickpt.format import MANIFEST_NAME
 from omnickpt.lease import Lease, acquire
-from omnickpt.steps import committed_steps, retire, step_dir, write_latest
+from omnickpt.steps import committed_steps, discard_folder, retire, step_dir, write_latest
 from omnickpt.storage import storage_for
 
 log = logging.getLogger("omnickpt")
+FAILURES_KEPT = 100   # the newest failed saves listed in manager.failures (failure_count counts all)
 
 
 class CheckpointManager:
@@ -124,9 +127,12 @@ class CheckpointManager:
         self._saved: set[int] = set()     # steps of this run in flight or committed: never saved twice
         self._closed = False
         self.restored: tuple[str, int] | None = None   # ("memory" | "durable", step) after load_latest
-        # on_error="warn": a failed save is logged and listed here, and training goes on.
+        # on_error="warn": a failed save is logged and listed here, and training goes on. Only the
+        # newest FAILURES_KEPT are kept (a save failing for days must not grow the list without
+        # bound); failure_count counts them all.
         self.on_error = on_error
         self.failures: list[dict] = []
+        self.failure_count = 0
         # Leases go back in close(), or when an unclosed manager is collected or the interpreter ends.
         self._leases: list[Lease] = []
         self._root_lease: Lease | None = None
@@ -139,6 +145,8 @@ class CheckpointManager:
         self._started: tuple[float, float] | None = None   # (start, stall) of the save in flight
         self._flight_calls = 0                    # save() calls while it was in flight
         self._last_step: int | None = None        # the newest step given to save(): guard()'s to save
+        self._capture = StepCapture()             # its state, when that call did not save (guard())
+        self._guarding = 0                        # guard() blocks open: save() captures only inside one
         self._run = self._job_id                  # agreed by the ranks in __init__ (several ranks)
         self.failure_save: dict | None = None     # what guard() did when the job failed
         self.incremental, self.full_every, self.block_bytes = False, None, None   # CheckpointManager(incremental=True)
@@ -159,56 +167,105 @@ class CheckpointManager:
         all-gather per call with several ranks, so that every rank decides alike).
 
         With on_error="warn" a failure of this save (or of the previous async one, found here) is
-        logged and appended to `self.failures` instead of raised, and None is returned: training
-        goes on, the next save tries again, `latest` still names the newest committed step.
-        Misuse (a bad or repeated step number) is always raised."""
+        logged and appended to `self.failures` (the newest FAILURES_KEPT; `failure_count` counts
+        all) instead of raised, and None is returned: training goes on, `latest` still names the
+        newest committed step. With every=, a failed save counts as the cadence's attempt: the
+        next is due an interval later, and failures in a row space attempts out up to 8 intervals
+        (omnickpt/cadence.py); without every=, the next call tries again. Misuse (a bad or repeated
+        step number) is always raised.
+
+        A call that does not save (not due, or failed) captures the state as step `step` for
+        guard() (omnickpt/failure.py StepCapture: the objects of dataloaders, schedulers, RNG and
+        user values, module buffers, param-group hyperparameters; parameters and optimizer state
+        are not copied)."""
         step = step_number(step)
         self._last_step = step
-        if self._cadence is not None:
-            if not self._due(step) and not force:
-                return None
-            if self._started is not None:
-                # The previous save is still in flight: this one would wait for it first anyway. Wait
-                # here, so that its time until durable is measured and this one's stall is its own.
-                self.wait()
-                self._observe_durable(time.monotonic())
-        t0 = time.monotonic()
+        error = None
         try:
-            handle = self._save(step, state, async_save, kwargs)
-        except CheckpointError as e:
-            return self._failed(step, e)
+            if self._cadence is not None:
+                if not self._due(step) and not force:
+                    self._capture_for_guard(step, state, kwargs)
+                    return None
+                if self._started is not None:
+                    # The previous save is still in flight: this one would wait for it first anyway. Wait
+                    # here, so that its time until durable is measured and this one's stall is its own.
+                    if self.wait() is not None:
+                        self._cadence.succeeded()
+                    self._observe_durable(time.monotonic())
+            t0 = time.monotonic()
+            try:
+                handle = self._save(step, state, async_save, kwargs)
+            except CheckpointError as e:
+                error = e
+        except BaseException:
+            self._capture_for_guard(step, state, kwargs)   # whatever stopped this save, guard() saves this step
+            raise
+        if error is not None:
+            self._capture_for_guard(step, state, kwargs)
+            return self._failed(step, error)
         if self._cadence is not None:
+            if not async_save:
+                self._cadence.succeeded()
             self._saved_by_cadence(step, t0, async_save)
         return handle
 
     # ------------------------------------------------------------------ checkpoint at failure
+    def _capture_for_guard(self, step: int, state: dict, kwargs: dict) -> None:
+        """A save() call that did not save: inside guard(), the state is captured as step `step`
+        (a fraction of a millisecond for a model with a dataloader and RNG state, mostly their own
+        state_dict() calls); outside, nothing is, and a loop without guard() pays nothing."""
+        if self._guarding:
+            self._capture.take(step, state, kwargs)
+
     @contextlib.contextmanager
     def guard(self, state: dict, *, grace: float = 10.0):
         """`with manager.guard(state):` around the training loop. When a rank fails inside it (an
-        exception, or SIGTERM turned into one), the ranks that still hold a complete replica of
-        `state` save it as step N, the last step given to save() (call save() every step, with
-        every=, to lose at most the step in progress), then every rank re-raises: the job ends as it
-        would have, with its newest state committed. DDP: the lowest surviving rank saves alone;
-        HSDP: the first shard group whose ranks all survive, over its own process group; FSDP or TP
+        exception, SystemExit with a non-zero code, KeyboardInterrupt, or SIGTERM turned into one of
+        those), the ranks that still hold a complete replica of `state` save step N, the last step
+        given to save(), then every rank re-raises: the job ends as it would have, with step N
+        committed. A clean exit (SystemExit with code 0 or None, GeneratorExit) saves nothing.
+
+        Only the exact state of step N is saved (omnickpt/failure.py StepCapture): parameters and
+        optimizer state as they were at save(N) (no optimizer step began since, none is half
+        applied), the dataloader position, schedulers, RNG and other objects, module buffers and
+        param-group hyperparameters captured at that call, and no NaN or Inf in any floating tensor.
+        Otherwise nothing is saved, and the log and `failure_save` say why. Call save() every step,
+        with every=, to lose at most the step in progress. A step N that save() itself saved (or
+        has in flight) is not saved again.
+
+        DDP: the lowest surviving rank saves alone; HSDP: the first shard group whose ranks all
+        survive, over its own process group (every rank of it must have the exact state); FSDP or TP
         over the whole job: no complete replica survives a rank's loss, nothing is saved and the
         error log says so. Survivors wait up to `grace` seconds for every rank's marker (a rank
-        killed outright leaves none). `self.failure_save` says what happened (omnickpt/failure.py)."""
+        killed outright leaves none). `self.failure_save` says what happened on this rank: "saved",
+        "step", "reason" when nothing was saved, "captured" (what came from the capture of step N),
+        "trigger" (the exception)."""
+        self._guarding += 1
         try:
             yield self
         except BaseException as e:
+            trigger = f"{type(e).__name__}: {e}"[:500]
+            if exit_kind(e) == "clean":
+                self.failure_save = {"saved": False, "trigger": trigger, "reason": "a clean exit, not a failure"}
+                raise
             try:
                 self.failure_save = self._save_at_failure(state, e, grace)
             except Exception as inner:   # the job's own failure is the one to raise
                 self.failure_save = {"saved": False, "reason": f"{type(inner).__name__}: {inner}"}
                 log.error("omnickpt: checkpoint at failure to %s failed: %s: %s", self.root, type(inner).__name__,
                           inner, exc_info=True)
+            self.failure_save["trigger"] = trigger
             raise
+        finally:
+            self._guarding -= 1
 
     def _save_at_failure(self, state: dict, error: BaseException, grace: float) -> dict:
-        from omnickpt.failure import (MARKERS, await_markers, cannot_save, peer_failure, pick_savers, post_marker,
-                                      replicas_of)
+        """Every rank, once `error` left guard(): post this rank's marker, learn who survives and
+        which replica group saves (omnickpt/failure.py), then that group saves step N exactly or
+        not at all. Returns this rank's failure_save."""
         rank, world, step = self._comm.rank, self._comm.world_size, self._last_step
-        survivor = world > 1 and peer_failure(error)
+        # KeyboardInterrupt (Ctrl-C) leaves the rank's state intact: it may save, as a survivor does
+        survivor = world > 1 and (peer_failure(error) or exit_kind(error) == "interrupt")
         run = f"{self._run}-s{step}"
         if world > 1:
             post_marker(self._storage, run, rank, {"rank": rank, "survivor": survivor, "step": step,
@@ -217,42 +274,76 @@ class CheckpointManager:
             return {"saved": False, "reason": "this rank failed; the surviving ranks save"}
         if self._read_only or self._closed or step is None:
             return {"saved": False, "reason": "no step to save (read-only, closed, or save() never called)"}
+        if step in self._saved:
+            return self._saved_by_save(step)
         if step in self.steps():
             return {"saved": False, "step": step, "reason": f"step {step}, the newest, is already committed"}
+        savers, alive, outcome = self._failure_savers(state, rank, world, run, grace)
+        if outcome is not None:
+            return outcome
+        from omnickpt.comm import SOLO, Comm
+        group = SOLO if len(savers) == 1 else _shard_group(state)
+        with self._capture.state_to_save(step) as (exact, problem):
+            if len(savers) > 1:   # every rank of the group holds part of the step: all exact, or none saves
+                problems = Comm(group).all_gather_object(problem, step="checkpoint at failure")
+                problem = next((f"rank {r}: {p}" for r, p in zip(savers, problems) if p), None)
+            if problem is not None:
+                log.error("omnickpt: not saving step %d to %s at failure: %s; step %s stays the newest committed "
+                          "one", step, self.root, problem, self.latest_step())
+                return {"saved": False, "step": step, "alive": alive, "savers": list(savers), "reason": problem}
+            # A survivor still blocked in a collective when the others decided can see more ranks alive
+            # and pick another group: the first group to claim the step saves it, the other stands down.
+            won = rank != savers[0] or self._storage.create_exclusive(
+                f"{MARKERS}/{run}/claim.json", json.dumps({"savers": list(savers)}).encode())
+            if len(savers) > 1:
+                won = Comm(group).broadcast_object(won, step="checkpoint at failure")
+            if not won:
+                return {"saved": False, "alive": alive, "reason": "another replica group saved this step"}
+            self._ckpt.save(self.step_path(step), exact, process_group=group,
+                            on_commit=lambda _m: write_latest(self._storage, step), **self._capture.kwargs).wait()
+        log.warning("omnickpt: saved step %d to %s at failure (ranks %s, surviving ranks %s; from the capture of "
+                    "save(%d): %s)", step, self.step_path(step), list(savers), alive, step,
+                    ", ".join(self._capture.taken_from_capture()) or "nothing")
+        return {"saved": True, "step": step, "path": self.step_path(step), "savers": list(savers), "alive": alive,
+                "captured": self._capture.taken_from_capture()}
+
+    def _failure_savers(self, state: dict, rank: int, world: int, run: str,
+                        grace: float) -> tuple[tuple[int, ...], list[int], dict | None]:
+        """A survivor (or the one rank): (the replica group that saves, the surviving ranks, None),
+        or (.., .., this rank's failure_save) when this rank does not save."""
         alive, replicas = [rank], replicas_of(state, world)
-        if world > 1:
-            # Ranks still blocked in a collective with this one would wait for the process group's
-            # own timeout: closing this rank's connections fails their collective now.
-            abort_groups(self._group, state)
-            markers = await_markers(self._storage, run, world, grace,
-                                    stop=lambda found: cannot_save(replicas, rank, found))
-            alive = sorted(r for r, m in markers.items() if m.get("survivor"))
-            if replicas.groups and cannot_save(replicas, rank, markers) and len(markers) < world:
-                return {"saved": False, "alive": alive, "reason": "this rank's replica group lost a rank: it "
-                        "leaves, the other groups decide"}
-        savers = pick_savers(replicas, alive) if world > 1 else (rank,)
+        if world == 1:
+            return (rank,), alive, None
+        # Ranks still blocked in a collective with this one would wait for the process group's
+        # own timeout: closing this rank's connections fails their collective now.
+        abort_groups(self._group, state)
+        markers = await_markers(self._storage, run, world, grace, stop=lambda found: cannot_save(replicas, rank, found))
+        alive = sorted(r for r, m in markers.items() if m.get("survivor"))
+        if replicas.groups and cannot_save(replicas, rank, markers) and len(markers) < world:
+            return (), alive, {"saved": False, "alive": alive, "reason": "this rank's replica group lost a rank: it "
+                               "leaves, the other groups decide"}
+        savers = pick_savers(replicas, alive)
         if savers is None:
             log.error("omnickpt: rank(s) %s failed and no complete replica of the state survives (surviving ranks %s); "
                       "nothing was saved at failure, step %s of %s stays the newest committed one",
                       sorted(set(range(world)) - set(alive)), alive, self.latest_step(), self.root)
-            return {"saved": False, "alive": alive, "reason": "no complete replica survives"}
+            return (), alive, {"saved": False, "alive": alive, "reason": "no complete replica survives"}
         if rank not in savers:
-            return {"saved": False, "alive": alive, "savers": list(savers), "reason": "another replica saves"}
-        from omnickpt.comm import SOLO, Comm
-        group = SOLO if len(savers) == 1 else _shard_group(state)
-        # A survivor still blocked in a collective when the others decided can see more ranks alive
-        # and pick another group: the first group to claim the step saves it, the other stands down.
-        won = rank != savers[0] or self._storage.create_exclusive(
-            f"{MARKERS}/{run}/claim.json", json.dumps({"savers": list(savers)}).encode())
-        if len(savers) > 1:
-            won = Comm(group).broadcast_object(won, step="checkpoint at failure")
-        if not won:
-            return {"saved": False, "alive": alive, "reason": "another replica group saved this step"}
-        self._ckpt.save(self.step_path(step), state, process_group=group,
-                        on_commit=lambda _m: write_latest(self._storage, step)).wait()
-        log.warning("omnickpt: saved step %d to %s at failure (ranks %s, surviving ranks %s)", step,
-                    self.step_path(step), list(savers), alive)
-        return {"saved": True, "step": step, "path": self.step_path(step), "savers": list(savers), "alive": alive}
+            return savers, alive, {"saved": False, "alive": alive, "savers": list(savers),
+                                   "reason": "another replica saves"}
+        return savers, alive, None
+
+    def _saved_by_save(self, step: int) -> dict:
+        """guard()'s step was saved by save() itself (committed, or in flight): not saved again from
+        the live state, which may be a later step's. A lone rank waits for a save in flight."""
+        if self._comm.world_size == 1 and self._pending is not None and self._pending[0] == step:
+            self.wait()   # raises (guard() reports it) or, with on_error="warn", lists the failure
+            if step not in self._saved:
+                return {"saved": False, "step": step, "reason": f"the save of step {step} by save() failed"}
+        in_flight = self._in_flight()
+        return {"saved": False, "step": step, "by_save": True, "path": self.step_path(step),
+                "reason": f"step {step} was saved by save()" + ("; it is still in flight (finished at exit, or the "
+                                                                 "process exits with status 1)" if in_flight else "")}
 
     # ------------------------------------------------------------------ cadence
     def _in_flight(self) -> bool:
@@ -303,9 +394,15 @@ class CheckpointManager:
         return None if self._cadence is None else dataclasses.asdict(self._cadence.report())
 
     def _failed(self, step: int | None, error: CheckpointError):
+        """A save of `step` failed (None: an async save, found failed here): the cadence counts it as
+        its attempt, then it is raised, or (on_error="warn") logged and listed."""
+        if self._cadence is not None:
+            self._cadence.failed(step)
         if self.on_error == "raise":
             raise error
+        self.failure_count += 1
         self.failures.append({"step": step, "error": f"{type(error).__name__}: {error}", "time": time.time()})
+        del self.failures[:-FAILURES_KEPT]   # a list still (slices, ==), trimmed to the newest
         log.error("omnickpt: checkpoint step %s to %s failed, training goes on (on_error='warn'): %s",
                   "?" if step is None else step, self.root, error)
         return None
@@ -456,13 +553,14 @@ class CheckpointManager:
     def _discard_failed(self, step: int) -> None:
         """Coordinator, once every rank is done with a failed save of `step`: its folder goes unless
         it holds a committed checkpoint (an earlier save of that number), so that failed folders do
-        not pile up (a full disk gets its space back). Best effort: the storage may be what failed."""
+        not pile up (a full disk gets its space back); but not the files that checkpoints next to it
+        reference (a retired step stripped to them, saved into again after a rollback: steps.py).
+        Best effort: the storage may be what failed."""
         if not self._comm.is_coordinator or self._root_lease is None:
             return
         name = step_dir(step)
         try:
-            if not self._storage.exists(f"{name}/{MANIFEST_NAME}"):
-                self._storage.delete_tree(name)
+            discard_folder(self._storage, name)
         except Exception as e:
             log.warning("omnickpt: could not remove %s of the failed save of step %d: %s",
                         self._storage.describe(name), step, e)
