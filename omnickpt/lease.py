@@ -9,7 +9,14 @@ job that finds the record gets CheckpointLockedError naming the owner, unless th
 - its process is gone: the record comes from this machine (same hostname, boot id and pid
   namespace) and its pid no longer exists (or is a zombie), so a crash here frees the root at once;
 - or it was last renewed longer ago than its ttl, so a job that died on another machine frees the
-  root after ttl seconds (hosts' clocks must agree to well within ttl, as NTP keeps them).
+  root after ttl seconds (hosts' clocks must agree to well within ttl, as NTP keeps them);
+- or its times cannot be believed: a ttl that is not a finite number of seconds up to MAX_TTL, or
+  a renewal time that is not a finite number (no omnickpt writes them; a record with an infinite
+  ttl would otherwise lock the root forever);
+- or its renewal time lies ahead of this machine's clock (the two hosts' clocks disagree, so its
+  age cannot be told) and it is not renewed while this job watches it for its ttl: the heartbeat of
+  a live owner renews it every ttl/3, whatever the clocks say. Judging by the clocks instead would
+  keep a dead job's record for as long as its host's clock was ahead.
 
 A stale record is taken over, with a warning naming the old owner. Takeover is: check the record
 is still the stale one, replace it (Storage.commit), pause, re-read. Of two jobs taking over one
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -42,6 +50,11 @@ from omnickpt.storage import Storage, storage_for
 
 OWNER_RECORD = ".omnickpt/owner.json"
 DEFAULT_TTL = 30.0
+# The longest ttl a lease may have (one day): a longer one, in a record, is damage.
+MAX_TTL = 24 * 3600.0
+# A renewal time up to this far ahead of this machine's clock is taken as clocks agreeing (NTP
+# keeps them within milliseconds); further ahead, the record is watched instead (module docstring).
+_SKEW_SLACK = 2.0
 # A takeover re-reads the record this long after replacing it (at least; see the module docstring).
 _SETTLE_MIN, _SETTLE_MAX = 0.25, 5.0
 # A record that vanishes between a failed create and the read that follows (its owner released
@@ -133,6 +146,10 @@ class Lease:
                 self.storage.commit(self.record, self._doc(time.time()))
                 return None
             why = _stale(doc, self._me, time.time())
+            if why is None and _ahead(doc, time.time()):
+                why = self._watch(doc)
+                if why is None:
+                    continue   # it changed: judge the record it is now
             if why is None:
                 raise CheckpointLockedError(self._locked(doc))
             if self._take_over(doc):
@@ -158,14 +175,45 @@ class Lease:
         raise CheckpointLockedError(self._locked(doc) + " (it took over the stale owner record at the same time "
                                                         "as this job)")
 
-    def _locked(self, doc: dict) -> str:
-        age = time.time() - _num(doc, "renewed")
-        ttl = _num(doc, "ttl", DEFAULT_TTL)
+    def _watch(self, doc: dict) -> str | None:
+        """Watch a record whose renewal time lies ahead of this machine's clock for its ttl (local
+        monotonic time): why it is stale if it stays unchanged, None if it changed (read it again).
+        Raises CheckpointLockedError when it was renewed: its job is alive."""
+        ttl = _times(doc)[1]
+        skew = _finite(doc, "renewed") - time.time()
+        logging.getLogger("omnickpt").warning(
+            "%s: the owner record %s of job %r was renewed at a time %.1f s ahead of this machine's clock (the "
+            "hosts' clocks disagree); watching it for up to %g s to tell whether that job is alive",
+            self.storage.describe(), self.storage.describe(self.record), doc.get("holder"), skew, ttl)
+        deadline = time.monotonic() + ttl
+        while time.monotonic() < deadline:
+            time.sleep(min(max(ttl / 12, 0.01), 1.0, max(0.0, deadline - time.monotonic())))
+            now = _read_record(self.storage, self.record)
+            if now != doc:
+                if now and now.get("holder") == doc.get("holder") and now.get("lease") == doc.get("lease"):
+                    raise CheckpointLockedError(self._locked(now, renewing=True))
+                return None
+        return (f"it was not renewed during the {ttl:g} s this job watched it (its renewal time lies {skew:.1f} s "
+                "ahead of this machine's clock: the hosts' clocks disagree)")
+
+    def _locked(self, doc: dict, renewing: bool = False) -> str:
+        renewed, ttl, _ = _times(doc)
+        age = time.time() - renewed
+        if renewing or age < -_SKEW_SLACK:
+            # A negative age is the other host's clock running ahead: no wait computed from it means anything.
+            when = (f"was renewed while this job watched it, at times {-age:.1f} s ahead of this machine's clock "
+                    "(the hosts' clocks disagree; fix their time sync)")
+            dead = ("if it is dead, its record is taken over once it goes unrenewed for its ttl: try again in "
+                    f"{ttl:g} s")
+        else:
+            age = max(age, 0.0)
+            when = f"was last renewed {age:.1f} s ago (ttl {ttl:g} s)"
+            dead = (f"if it is dead on another machine, its record expires {max(0.0, ttl - age):.0f} s from now: wait "
+                    "that long and try again")
         return (f"{self.storage.describe()} is owned by another live job: {doc.get('holder')!r} on host "
                 f"{doc.get('host')} (pid {doc.get('pid')}), whose owner record {self.storage.describe(self.record)} "
-                f"was last renewed {age:.1f} s ago (ttl {ttl:g} s). Two jobs writing one {self.what} would overwrite "
-                f"and delete each other's files. Use another path, or stop the other job; if it is dead on another "
-                f"machine, its record expires {max(0.0, ttl - age):.0f} s from now: wait that long and try again")
+                f"{when}. Two jobs writing one {self.what} would overwrite and delete each other's files. Use another "
+                f"path, or stop the other job; {dead}")
 
     # ------------------------------------------------------------------ heartbeat
     def _start(self) -> None:
@@ -221,7 +269,7 @@ class Lease:
                           "replaced by an unreadable one; another process wrote there, so this job no longer owns "
                           f"{self.storage.describe()}")
             return
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_num(doc, "started")))
+        when = _date(_finite(doc, "started"))
         self._lost = (f"{self.storage.describe()} was taken over by job {doc.get('holder')!r} on host "
                       f"{doc.get('host')} (pid {doc.get('pid')}, started {when}); job {self.holder!r} no longer owns "
                       f"it, and what it saves there may overwrite or be deleted by that job's saves")
@@ -241,16 +289,15 @@ def acquire(storage: Storage | str, holder: str, *, what: str = "checkpoint", tt
         storage = storage_for(storage)
     if not isinstance(holder, str) or not holder:
         raise ValueError(f"the lease holder must be a non-empty job id string, not {holder!r}")
-    if not ttl > 0:
-        raise ValueError(f"the lease ttl must be a positive number of seconds, not {ttl!r}")
+    if not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"the lease ttl must be a positive number of seconds up to {MAX_TTL:g}, not {ttl!r}")
     lease = Lease(storage, holder, what, ttl, record)
     taken = lease._claim()
     lease._start()
     if taken is not None:
         old, why = taken
         msg = (f"{storage.describe()}: job {holder!r} took over the stale owner record of job {old.get('holder')!r} "
-               f"(host {old.get('host')}, pid {old.get('pid')}, last renewed "
-               f"{time.time() - _num(old, 'renewed'):.1f} s ago): {why}")
+               f"(host {old.get('host')}, pid {old.get('pid')}, {_age_text(old, time.time())}): {why}")
         logging.getLogger("omnickpt").warning("%s", msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return lease
@@ -299,10 +346,47 @@ def _stale(doc: dict, me: dict, now: float) -> str | None:
             and doc.get("pid_ns") == me["pid_ns"])
     if here and isinstance(pid, int) and not _alive(pid):
         return f"its process {pid} on {host} is gone"
-    age, ttl = now - _num(doc, "renewed"), _num(doc, "ttl", DEFAULT_TTL)
+    renewed, ttl, damage = _times(doc)
+    if damage:
+        return f"the record is damaged ({damage})"
+    age = now - renewed
     if age > ttl:
         return f"it was last renewed {age:.1f} s ago, longer than its ttl of {ttl:g} s"
     return None
+
+
+def _times(doc: dict) -> tuple[float, float, str | None]:
+    """(renewed, ttl, what is wrong with them or None). A record is untrusted input: a ttl that is
+    inf or NaN never expires, a renewal time of inf never ages."""
+    renewed, ttl = _finite(doc, "renewed"), _finite(doc, "ttl", DEFAULT_TTL)
+    if renewed is None:
+        return 0.0, DEFAULT_TTL, f"its renewal time {doc.get('renewed')!r:.40} is not a time"
+    if ttl is None or not 0 < ttl <= MAX_TTL:
+        return renewed, DEFAULT_TTL, f"its ttl {doc.get('ttl')!r:.40} is not a number of seconds up to {MAX_TTL:g}"
+    return renewed, ttl, None
+
+
+def _ahead(doc: dict, now: float) -> bool:
+    """Whether the record's renewal time lies ahead of this machine's clock by more than clocks
+    that agree would put it."""
+    renewed, _, damage = _times(doc)
+    return damage is None and renewed - now > _SKEW_SLACK
+
+
+def _age_text(doc: dict, now: float) -> str:
+    renewed, _, damage = _times(doc)
+    if damage:
+        return "its times are damaged"
+    age = now - renewed
+    return (f"last renewed {age:.1f} s ago" if age >= -_SKEW_SLACK
+            else f"renewed at a time {-age:.1f} s ahead of this machine's clock")
+
+
+def _date(t: float | None) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "at an unknown time"
+    except (OverflowError, ValueError, OSError):
+        return "at an unknown time"
 
 
 def _alive(pid: int) -> bool:
@@ -322,9 +406,16 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _num(doc: dict, key: str, default: float = 0.0) -> float:
+def _finite(doc: dict, key: str, default: float | None = None) -> float | None:
+    """doc[key] as a finite float (`default` when absent); None when it is anything else."""
     value = doc.get(key, default)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:   # an integer past float's range
+        return None
+    return value if math.isfinite(value) else None
 
 
-__all__ = ["DEFAULT_TTL", "OWNER_RECORD", "Lease", "acquire"]
+__all__ = ["DEFAULT_TTL", "MAX_TTL", "OWNER_RECORD", "Lease", "acquire"]

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import difflib
 import math
+import operator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from omnickpt.formats import read_manifest
@@ -86,23 +88,44 @@ def slab_boxes(shape: Sequence[int], max_elements: int) -> Iterator[Box]:
             yield Box((r,) + sub.offsets, (1,) + sub.lengths)
 
 
+def _index_int(v: Any, name: str) -> int | None:
+    """`v` as an integer index (an int, a numpy or 0-d torch integer: anything with __index__), None
+    when it is not one. A bool is refused: numpy reads True as a new axis and torch as a mask, while
+    an int subclass would read it as row 1; none of those is a box."""
+    if isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        raise TypeError(f"tensor {name!r}: {v!r} is a boolean, which selects no box: index with integers and "
+                        "slices")
+    if isinstance(v, (slice, type(Ellipsis), tuple, list, str, bytes, float)):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def _as_box(spec: Any, shape: tuple[int, ...], name: str) -> tuple[Box, tuple[int, ...]]:
     """(the Box `spec` selects, the dimensions an integer index drops). `spec` is a Box,
-    (offsets, lengths), or a tuple of slices and integers as in tensor[...] (step 1 only; missing
-    trailing dimensions are whole)."""
+    (offsets, lengths), or what you would put in tensor[...]: integers (numpy ones too), slices
+    with step 1, at most one `...`; `()` and `...` are the whole tensor, and missing trailing
+    dimensions are whole. TypeError for a boolean, ValueError for anything else that selects no box."""
     if spec is None:
         return Box.full(shape), ()
     if isinstance(spec, Box):
         box = spec
-    elif isinstance(spec, (slice, int)) or (isinstance(spec, tuple) and any(isinstance(s, slice) for s in spec)) \
-            or (isinstance(spec, tuple) and spec and all(isinstance(s, int) for s in spec)):
+    elif _is_index(spec, name):
         index = spec if isinstance(spec, tuple) else (spec,)
+        if sum(s is Ellipsis for s in index) > 1:
+            raise ValueError(f"tensor {name!r}: an index can have only one '...', got {spec!r}")
+        if Ellipsis in index:
+            at = next(i for i, s in enumerate(index) if s is Ellipsis)
+            index = index[:at] + (slice(None),) * max(0, len(shape) - len(index) + 1) + index[at + 1:]
         if len(index) > len(shape):
             raise ValueError(f"tensor {name!r} has {len(shape)} dimension(s); the index {spec!r} has {len(index)}")
         offsets, lengths, drop = [], [], []
         for d, (s, n) in enumerate(zip(index + (slice(None),) * (len(shape) - len(index)), shape)):
-            if isinstance(s, int):
-                i = s + n if s < 0 else s
+            if not isinstance(s, slice):
+                i = _index_int(s, name)
+                i = i + n if i < 0 else i
                 if not 0 <= i < n:
                     raise ValueError(f"index {s} is out of range for dimension {d} of tensor {name!r} (size {n})")
                 offsets.append(i)
@@ -118,7 +141,7 @@ def _as_box(spec: Any, shape: tuple[int, ...], name: str) -> tuple[Box, tuple[in
     else:
         try:
             offsets, lengths = spec
-            box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+            box = Box(tuple(_box_int(o, name) for o in offsets), tuple(_box_int(n, name) for n in lengths))
         except (TypeError, ValueError):
             raise ValueError(f"tensor {name!r}: a box is a Box, (offsets, lengths) or a tuple of slices, "
                              f"got {spec!r:.80}") from None
@@ -126,6 +149,21 @@ def _as_box(spec: Any, shape: tuple[int, ...], name: str) -> tuple[Box, tuple[in
         raise ValueError(f"box offsets={list(box.offsets)} lengths={list(box.lengths)} does not fit in tensor "
                          f"{name!r} of shape {list(shape)}")
     return box, ()
+
+
+def _is_index(spec: Any, name: str) -> bool:
+    """Whether `spec` is a tensor[...] index rather than (offsets, lengths): a slice, an integer,
+    `...`, or a tuple of those (the empty tuple included). (offsets, lengths) is a pair of sequences."""
+    items = spec if isinstance(spec, tuple) else (spec,)
+    return all(isinstance(s, slice) or s is Ellipsis or _index_int(s, name) is not None for s in items)
+
+
+def _box_int(v: Any, name: str) -> int:
+    """An offset or length of an (offsets, lengths) box: an integer, not a bool nor a float."""
+    i = _index_int(v, name)
+    if i is None:
+        raise TypeError(f"{v!r} is not an integer")
+    return i
 
 
 class CheckpointReader:
@@ -238,15 +276,18 @@ class CheckpointReader:
         """Tensor `name`, or its part `box`, as a new CPU tensor, optionally cast to `dtype`.
 
         `box` is a layout.Box, (offsets, lengths), or what you would put in tensor[...]: a slice,
-        an integer or a tuple of them (step 1; an integer drops its dimension). Only the stored
-        bytes the box needs are read (widened to whole checksum chunks), and every chunk read is
-        verified: CorruptCheckpointError if one does not match. MismatchError for an unknown name,
+        an integer (numpy integers too), `...` or a tuple of them (step 1; an integer drops its
+        dimension; `()` is the whole tensor). Only the stored bytes the box needs are read (widened
+        to whole checksum chunks), and every chunk read is verified: CorruptCheckpointError if one
+        does not match. MismatchError for an unknown name, TypeError for a boolean index,
         ValueError for a box that does not fit the tensor.
         """
         entry = self._entry(name)
         want, drop = _as_box(box, tuple(entry.shape), name)
+        items = self._plan([(name, want)])   # the files hold the bytes: only then allocate what the manifest says
         out = torch.empty(want.lengths, dtype=dtype_from_name(entry.dtype))
-        self.read_into([(name, want)], [out])
+        read_tensors(self._storage, self._manifest, items, [want], [out], self._executor(), verify=self._verify,
+                     timer=self._timer)
         for d in reversed(drop):
             out = out.squeeze(d)
         cast = as_dtype(dtype)
@@ -263,10 +304,17 @@ class CheckpointReader:
             if dest.dtype != want or tuple(dest.shape) != box.lengths or dest.device.type != "cpu":
                 raise ValueError(f"tensor {name!r}: the destination must be a CPU {want} tensor of shape "
                                  f"{list(box.lengths)}, got {dest.device.type} {dest.dtype} {list(dest.shape)}")
-        items = plan_reads(self._manifest, list(wanted))
-        check_file_sizes(self._storage, self._manifest, items, [])   # a truncated file: one clear error first
+        items = self._plan(wanted)
         read_tensors(self._storage, self._manifest, items, [b for _, b in wanted], list(dests), self._executor(),
                      verify=self._verify, timer=self._timer)
+
+    def _plan(self, wanted: Sequence[tuple[str, Box]], objects: Sequence[tuple[str, ObjectEntry]] = ()) -> list:
+        """The reads of `wanted`, after checking that the data files hold every byte they and
+        `objects` need (a truncated file, or a manifest declaring more than is there: one clear
+        error before anything is allocated from a declared size)."""
+        items = plan_reads(self._manifest, list(wanted)) if wanted else []
+        check_file_sizes(self._storage, self._manifest, items, list(objects))
+        return items
 
     def slabs(self, name: str, max_bytes: int = 64 << 20,
               dtype: torch.dtype | str | None = None) -> Iterator[tuple[Box, torch.Tensor]]:
@@ -291,6 +339,8 @@ class CheckpointReader:
         if missing:
             raise MismatchError(f"no object {missing[0]!r} in checkpoint {self.location}; it holds "
                                 f"{', '.join(self._manifest.objects) or 'none'}", [f"{k}: not found" for k in missing])
+        self._plan([], [(k, e) for k in wanted for e in (self._manifest.objects[k] if all_ranks else
+                                                       [self._manifest.object_for_rank(k, rank)])])
         return read_objects(self._storage, self._manifest, [] if all_ranks else wanted, rank, allow_pickle=pickle,
                             timer=self._timer, all_ranks=wanted if all_ranks else ())
 
@@ -300,6 +350,7 @@ class CheckpointReader:
         if entry.inline is not None:   # a foreign format's value, encoded when its manifest was read
             return entry.inline
         path = self._manifest.files[entry.file].path
+        self._plan([], [(key, entry)])
         buf = bytearray(entry.nbytes)
         try:
             self._storage.read_into(path, entry.offset, [memoryview(buf)])

@@ -206,7 +206,9 @@ HOSTILE_V3 = {
     "crcs not u4": (lambda h, a: a.update(crcs=a["crcs"].astype("<i8")), "no valid description"),
     "missing array": (lambda h, a: h["arrays"].pop("lengths"), "no valid description"),
     "tensor index": (lambda h, a: h["tensors"].update({"model/b": [6]}), "no valid index record"),
-    "newer version": (lambda h, a: FORMAT_VERSION + 1, "upgrade omnickpt"),
+    # the checksummed header agrees with the prelude: a real newer version (a prelude alone saying so is damage)
+    "newer version": (lambda h, a: (h.update(version=FORMAT_VERSION + 1), FORMAT_VERSION + 1)[1], "upgrade omnickpt"),
+    "damaged version field": (lambda h, a: FORMAT_VERSION + 1, "version field is damaged"),
     "header says v2": (lambda h, a: h.update(version=2), "version-2 manifest must be JSON"),
     "unsafe path": (lambda h, a: h["files"][0].update(path="../x.bin"), "escapes"),
     "unknown dtype": (lambda h, a: h["tensors"]["model/b"].update(dtype="object"), "unknown dtype"),

@@ -219,14 +219,13 @@ def _convert_notes(result: dict, to: str) -> list[str]:
 
 
 def _report(args) -> int:
-    from omnickpt.cli.report import draw_png, format_text, read_report, summary, trace
+    from omnickpt.cli.report import draw_png, format_text, read_report, summary, write_trace
     report = read_report(args.path)
     doc = summary(report)
     if args.png:
         draw_png(report, args.png)
     if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump(trace(report), f)
+        write_trace(report, args.trace)
     print(json.dumps(doc, indent=2) if args.json else format_text(doc))
     if not args.json:
         for what, path in (("timeline", args.png), ("trace", args.trace)):

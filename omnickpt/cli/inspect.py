@@ -19,6 +19,9 @@ _SHOWN_LAYOUT = ("world_size", "frameworks", "format")
 REPR_LIMIT = 500
 TEXT_REPR_LIMIT = 120
 _FORMAT_NAMES = {"omnickpt": "omnickpt", "hf": "Hugging Face safetensors", "dcp": "PyTorch DCP"}
+# A name is split into at most this many levels of the tree (the rest stays in its leaf): names come
+# from an untrusted manifest, and every level costs a copy of the name so far and a level of recursion.
+MAX_TREE_DEPTH = 32
 
 
 def describe(path: str, *, boxes: bool = False, filters: Sequence[str] = (), tree: bool = False,
@@ -112,10 +115,11 @@ def name_tree(tensors: list[dict]) -> dict:
     {"name", "path", "tensors", "bytes", "children"}; a leaf is {"name", "path", "shape", "dtype",
     "bytes"}. A group with a single sub-group is merged with it ("model/layers"), so chains of
     one-child levels take one line, and a group holding a single tensor becomes that tensor
-    ("lm_head.weight"). Children keep the manifest's order."""
+    ("lm_head.weight"). Children keep the manifest's order. A name is split at its first
+    MAX_TREE_DEPTH separators only."""
     root: dict = {"name": "", "path": "", "tensors": 0, "bytes": 0, "children": {}}
     for t in tensors:
-        parts = re.split(r"([/.])", t["name"])     # ["model", "/", "layers", ".", "0", ...]
+        parts = re.split(r"([/.])", t["name"], maxsplit=MAX_TREE_DEPTH)   # ["model", "/", "layers", ".", "0", ...]
         node = root
         for i in range(0, len(parts) - 1, 2):
             node["tensors"] += 1
@@ -240,8 +244,7 @@ def _layout_lines(doc: dict) -> list[str]:
     frameworks = layout.get("frameworks") or {}
     fmt = doc.get("format", "omnickpt")
     if fmt == "omnickpt":
-        created = (datetime.datetime.fromtimestamp(doc["created"], datetime.timezone.utc)
-                   .strftime("%Y-%m-%d %H:%M:%S UTC") if doc["created"] else "an unknown time")
+        created = _utc(doc["created"])
         lines = [f"  save id {doc['save_id']}, format version {doc['format_version']}, written by omnickpt "
                  f"{doc['tool_version'] or '?'} at {created}"]
         if doc.get("compression") and doc["compression"] != "none":
@@ -269,6 +272,17 @@ def _layout_lines(doc: dict) -> list[str]:
         else:
             lines.append(f"  layout {key}: {short_repr(value, 100)}")
     return lines
+
+
+def _utc(created: float) -> str:
+    """A manifest's "created" as a UTC date; 0 (not recorded) or a time no calendar holds (a damaged
+    or hostile field, year 10^9) is an unknown time."""
+    try:
+        if created:
+            return datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, ValueError, OSError, TypeError):
+        pass
+    return "an unknown time"
 
 
 def format_text(doc: dict) -> str:

@@ -12,15 +12,23 @@ the wall-clock time its save began), the timeline lays each rank's phases end to
 order a save runs them, which is the real order but not the real waiting between them, and says
 so ("approximate"). The phase "stall" (what training waited for) spans plan..snapshot, so it is
 drawn beside them, not after.
+
+A report is a file anyone may hand us: every number in it is checked before use, and anything
+malformed is a CorruptCheckpointError naming the file and the field. Everything here is linear in
+ranks x phases: a report at scale has thousands of ranks, and the picture draws one collection of
+bars per phase (past its pixel rows, one row per group of ranks: the slowest of the group).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
 
-from omnickpt.errors import CheckpointError, CorruptCheckpointError
+import numpy as np
+
+from omnickpt.errors import CheckpointError, CorruptCheckpointError, StorageError
 
 REPORT_NAME = "report.json"
 # The order the phases of a save and of a load run in (api.Checkpointer.save / load).
@@ -50,8 +58,12 @@ def read_report(path: str) -> dict:
     """The report at `path`: a JSON file, or the report.json of the checkpoint directory `path`.
     NotCommittedError when `path` is no checkpoint, CheckpointError when it has no report."""
     if os.path.isfile(path):
-        with open(path, "rb") as f:
-            raw, where = f.read(), path
+        where = path
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise StorageError(f"{path}: cannot read the report ({e.strerror or e})") from None
     else:
         from omnickpt.formats import read_manifest
         from omnickpt.storage import storage_for
@@ -68,8 +80,9 @@ def read_report(path: str) -> dict:
                    ": the save that wrote it kept no report (removed, or written by an older omnickpt)")) from None
     try:
         doc = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({type(e).__name__}: {e}); not a timing "
+                                     "report") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: not a timing report (a JSON {type(doc).__name__})")
     doc.setdefault("path", path)
@@ -78,8 +91,10 @@ def read_report(path: str) -> dict:
 
 def timeline(report: dict) -> Timeline:
     """The per-rank phases of `report` (a save or load report, or the memory tier's persist
-    report), with spans from recorded events or laid end to end. CorruptCheckpointError when the
-    report does not have that shape."""
+    report), with spans from recorded events or laid end to end. CorruptCheckpointError naming the
+    report and the field when it does not have that shape or holds a time that is not a finite
+    number of seconds."""
+    where = _where(report)
     per_rank = report.get("per_rank")
     if per_rank is None and isinstance(report.get("seconds_per_rank"), list):   # the memory tier's persist report
         per_rank = [{"seconds": {"persist": s}, "bytes": {}} for s in report["seconds_per_rank"]]
@@ -87,31 +102,27 @@ def timeline(report: dict) -> Timeline:
             isinstance(r, dict) and isinstance(r.get("seconds"), dict)
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r["seconds"].values())
             for r in per_rank):
-        raise CorruptCheckpointError(f"{report.get('path', 'report')}: no per-rank phase seconds in this report "
+        raise CorruptCheckpointError(f"{where}: no per-rank phase seconds in this report "
                                      "(expected per_rank[r]['seconds'][phase])")
     kind = str(report.get("kind", "save"))
-    seconds = [{str(p): float(v) for p, v in r["seconds"].items()} for r in per_rank]
+    seconds = [{str(p): _number(v, where, f"per_rank[{r}]['seconds'][{p!r}]") for p, v in rec["seconds"].items()}
+               for r, rec in enumerate(per_rank)]
     data_key = "written" if kind in ("save", "convert") else "read"
-    nbytes = [int((r.get("bytes") or {}).get(data_key, 0)) for r in per_rank]
+    nbytes = []
+    for r, rec in enumerate(per_rank):
+        counts = rec.get("bytes") or {}
+        if not isinstance(counts, dict):
+            raise CorruptCheckpointError(f"{where}: per_rank[{r}]['bytes'] is {counts!r:.40}, not an object of byte "
+                                         "counts; the report is damaged")
+        nbytes.append(int(_number(counts.get(data_key, 0), where, f"per_rank[{r}]['bytes'][{data_key!r}]")))
     found = {p for s in seconds for p in s}
     phases = ([p for p in PHASE_ORDER if p in found] + sorted(found - set(PHASE_ORDER) - set(ENVELOPES))
               + [p for p in ENVELOPES if p in found])
     tl = Timeline(kind, phases, seconds, nbytes)
-    events = [r.get("events") for r in per_rank]
-    if all(isinstance(e, list) for e in events):
-        try:
-            # Each rank's events count from its own start, "t0" (wall clock): align the ranks on it.
-            starts = [float(r.get("t0", 0.0)) for r in per_rank]
-            spans = [[(str(p), s0 - min(starts) + float(t), float(dt)) for p, t, dt in e]
-                     for s0, e in zip(starts, events)]
-            # A phase timed from before the timer existed (the stall starts at the save call) would
-            # start before 0: time begins at the earliest start instead.
-            first = min((t for e in spans for _, t, _ in e), default=0.0)
-            tl.spans = [[(p, t - min(first, 0.0), dt) for p, t, dt in e] for e in spans]
-            tl.exact = True
-            return tl
-        except (TypeError, ValueError):
-            pass   # malformed events: fall back to the totals
+    spans = _recorded_spans(per_rank)
+    if spans is not None:
+        tl.spans, tl.exact = spans, True
+        return tl
     ends = []
     for s in seconds:
         t, spans = 0.0, []
@@ -122,13 +133,55 @@ def timeline(report: dict) -> Timeline:
         ends.append(t)
         tl.spans.append(spans)
     # The coordinator commits after every rank has written: start its commit at the last end.
+    last = max(ends)
     for r, s in enumerate(seconds):
         if "commit" in s:
-            tl.spans[r].append(("commit", max(ends), s["commit"]))
+            tl.spans[r].append(("commit", last, s["commit"]))
         for p in ENVELOPES:
             if p in s:
                 tl.spans[r].append((p, 0.0, s[p]))
     return tl
+
+
+def _where(report: dict) -> str:
+    path = report.get("path")
+    return path if isinstance(path, str) and path else "report"
+
+
+def _number(v, where: str, what: str) -> float:
+    """A report's time or byte count as a float: finite and not negative, else the report is damaged."""
+    try:
+        x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:   # an integer past float's range
+        x = math.nan
+    if not 0 <= x < math.inf:
+        raise CorruptCheckpointError(f"{where}: {what} is {v!r:.40}, not a finite number >= 0; the report is "
+                                     "damaged (or not written by omnickpt)")
+    return x
+
+
+def _recorded_spans(per_rank: list[dict]) -> list[list[tuple[str, float, float]]] | None:
+    """Each rank's recorded (phase, start, seconds), aligned on the ranks' wall-clock starts "t0";
+    None when a rank recorded none or they are malformed (the timeline then lays totals end to end)."""
+    spans = []
+    try:
+        # Each rank's events count from its own start, "t0" (wall clock): align the ranks on it
+        # (the earliest start, taken once: per event it made the timeline quadratic in ranks).
+        starts = [float(r.get("t0", 0.0)) for r in per_rank]
+        origin = min(starts)
+        for s0, rec in zip(starts, per_rank):
+            events = rec.get("events")
+            if not isinstance(events, list):
+                return None
+            spans.append([(str(p), s0 - origin + float(t), float(dt)) for p, t, dt in events])
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not all(math.isfinite(t) and 0 <= dt < math.inf for e in spans for _, t, dt in e):
+        return None
+    # A phase timed from before the timer existed (the stall starts at the save call) would start
+    # before 0: time begins at the earliest start instead.
+    first = min(0.0, min((t for e in spans for _, t, _ in e), default=0.0))
+    return [[(p, t - first, dt) for p, t, dt in e] for e in spans]
 
 
 def rank_total(seconds: dict[str, float]) -> float:
@@ -141,13 +194,16 @@ def summary(report: dict) -> dict:
     phase, total, bytes), "slowest_phase" {phase, rank, seconds, median} and "slowest_rank" {rank,
     seconds}, and "timeline_exact"."""
     tl = timeline(report)
+    total = report.get("seconds")
+    if total is not None:
+        total = _number(total, _where(report), "'seconds'")
     table = [{"rank": r, "seconds": s, "total": rank_total(s), "bytes": tl.bytes[r]} for r, s in enumerate(tl.seconds)]
     timed = [p for p in tl.phases if p not in ENVELOPES] or tl.phases
     slow_phase = max(((p, r, s.get(p, 0.0)) for p in timed for r, s in enumerate(tl.seconds)), key=lambda x: x[2])
     slow_rank = max(table, key=lambda row: row["total"])
     return {
         "path": report.get("path"), "kind": tl.kind, "save_id": report.get("save_id"),
-        "world_size": len(tl.seconds), "seconds": report.get("seconds"), "total_bytes": sum(tl.bytes),
+        "world_size": len(tl.seconds), "seconds": total, "total_bytes": sum(tl.bytes),
         "phases": tl.phases, "table": table,
         "slowest_phase": {"phase": slow_phase[0], "rank": slow_phase[1], "seconds": slow_phase[2],
                           "median": statistics.median(s.get(slow_phase[0], 0.0) for s in tl.seconds)},
@@ -213,40 +269,82 @@ def trace(report: dict) -> dict:
                                                                   "per-phase totals, not start times)"}}
 
 
+def write_trace(report: dict, out: str) -> None:
+    """Write `trace(report)` as JSON to the file `out`; StorageError when it cannot be written."""
+    doc = trace(report)
+    try:
+        with open(out, "w") as f:
+            json.dump(doc, f)
+    except OSError as e:
+        raise StorageError(f"cannot write the trace to {out} ({e.strerror or e}): give the path of a file in an "
+                           "existing, writable folder") from None
+
+
 # ---------------------------------------------------------------------- the picture
+# The picture's size: 12 x at most 40 inches at 110 dpi.
+_DPI, _WIDTH, _MAX_HEIGHT = 110, 12.0, 40.0
+# Fewest pixels per row drawn: more ranks than that allows are grouped, one row per group.
+_ROW_PIXELS = 3
+# Most rank labels on the y axis; past this, evenly spaced ones.
+_MAX_LABELS = 40
+
+
 def draw_png(report: dict, out: str) -> None:
     """A per-rank timeline of the report's phases as a PNG at `out` (matplotlib, Agg backend;
-    `pip install 'omnickpt[plot]'`). UnsupportedError without matplotlib."""
+    `pip install 'omnickpt[plot]'`). One row per rank; past the rows the picture has pixels for,
+    one row per group of consecutive ranks, showing the group's slowest rank (most seconds in its
+    phases), so that a straggler stays visible. UnsupportedError without matplotlib, StorageError
+    when `out` cannot be written, CorruptCheckpointError for a malformed report."""
+    if os.path.isdir(out):   # before minutes of drawing, not after
+        raise StorageError(f"cannot write the timeline picture to {out}: it is a folder; give the path of a file "
+                           "(e.g. timeline.png)")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.collections import PolyCollection
         from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
     except ImportError as e:
         from omnickpt.errors import UnsupportedError
         raise UnsupportedError(f"--png needs matplotlib ({e}); pip install 'omnickpt[plot]'") from None
     tl = timeline(report)
     doc = summary(report)
     ranks = len(tl.spans)
+    height = min(_MAX_HEIGHT, 2.2 + 0.45 * ranks)
+    shown, group = _shown_ranks(tl, max(1, int(height * _DPI * 0.8) // _ROW_PIXELS))
     colors = {p: _PALETTE[i % len(_PALETTE)] for i, p in enumerate(p for p in tl.phases if p not in ENVELOPES)}
-    fig = Figure(figsize=(12, min(40.0, 2.2 + 0.45 * ranks)), dpi=110)
+    fig = Figure(figsize=(_WIDTH, height), dpi=_DPI)
     FigureCanvasAgg(fig)   # a canvas of our own: no pyplot, no global backend switch
     ax = fig.add_subplot(1, 1, 1)
-    for r, spans in enumerate(tl.spans):
-        for phase, start, secs in spans:
+    # One collection per phase (and one for the envelopes): the cost of drawing is then one
+    # artist per phase, not per rank and phase.
+    bars: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in colors}
+    envelopes = []
+    for row, r in enumerate(shown):
+        for phase, start, secs in tl.spans[r]:
             if phase in ENVELOPES:   # a thin bar under the lane: it contains the phases above it
-                ax.broken_barh([(start, secs)], (r + 0.28, 0.12), facecolors="black", alpha=0.55)
+                envelopes.append((start, secs, row + 0.28, 0.12))
             else:
-                ax.broken_barh([(start, secs)], (r - 0.35, 0.6), facecolors=colors[phase], edgecolor="white",
-                               linewidth=0.4)
-    handles = [ax.barh([0], [0], color=c, label=p) for p, c in colors.items()]
+                bars[phase].append((start, secs, row - 0.35, 0.6))
+    thin = len(shown) > 200   # white edges would cover bars a few pixels high
+    for phase, rects in bars.items():
+        if rects:
+            ax.add_collection(PolyCollection(_quads(rects), facecolors=colors[phase],
+                                             edgecolors="none" if thin else "white", linewidths=0 if thin else 0.4))
+    if envelopes:
+        ax.add_collection(PolyCollection(_quads(envelopes), facecolors="black", edgecolors="none", alpha=0.55))
+    handles = [Patch(color=c, label=p) for p, c in colors.items()]
     if any(p in ENVELOPES for p in tl.phases):
-        handles.append(ax.barh([0], [0], color="black", alpha=0.55, label="stall (training waits)"))
-    ax.set_yticks(range(ranks))
-    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
-    ax.set_ylim(ranks - 0.5, -0.6)
+        handles.append(Patch(color="black", alpha=0.55, label="stall (training waits)"))
+    ticks = range(len(shown)) if len(shown) <= _MAX_LABELS else np.linspace(0, len(shown) - 1, _MAX_LABELS).astype(int)
+    ax.set_yticks(list(ticks))
+    ax.set_yticklabels([f"rank {shown[t]}" for t in ticks], fontsize=8 if len(shown) > 20 else None)
+    ax.set_ylim(len(shown) - 0.5, -0.6)
     end = max((s + d for spans in tl.spans for _, s, d in spans), default=1.0)
     ax.set_xlim(0, end * 1.02 if end > 0 else 1.0)
     ax.set_xlabel("seconds since the save began" if tl.exact
                   else "seconds (each rank's phases laid end to end; report.json holds totals, not start times)")
+    if group > 1:
+        ax.set_ylabel(f"{ranks} ranks: each row the slowest of {group} consecutive ranks")
     sp, sr = doc["slowest_phase"], doc["slowest_rank"]
     total = f" in {doc['seconds']:.3f} s" if doc.get("seconds") else ""
     ax.set_title(f"{tl.kind} {doc['path']}{total}: slowest phase {sp['phase']} (rank {sp['rank']}, "
@@ -254,7 +352,30 @@ def draw_png(report: dict, out: str) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, format="png")
+    try:
+        fig.savefig(out, format="png")
+    except OSError as e:
+        raise StorageError(f"cannot write the timeline picture to {out} ({e.strerror or e}): give the path of a file "
+                           "in an existing, writable folder") from None
 
 
-__all__ = ["Timeline", "draw_png", "format_text", "rank_total", "read_report", "summary", "timeline", "trace"]
+def _shown_ranks(tl: Timeline, rows: int) -> tuple[list[int], int]:
+    """(the ranks drawn, one per row; how many consecutive ranks each row stands for): every rank
+    when they fit in `rows`, else the slowest of each group."""
+    ranks = len(tl.spans)
+    if ranks <= rows:
+        return list(range(ranks)), 1
+    group = -(-ranks // rows)
+    totals = [rank_total(s) for s in tl.seconds]
+    return [max(range(a, min(a + group, ranks)), key=totals.__getitem__) for a in range(0, ranks, group)], group
+
+
+def _quads(rects: list[tuple[float, float, float, float]]) -> np.ndarray:
+    """(x, width, y, height) rectangles as the [n, 4, 2] corners a PolyCollection takes."""
+    x, w, y, h = np.asarray(rects, dtype=float).T
+    return np.stack([np.stack([x, y], 1), np.stack([x + w, y], 1), np.stack([x + w, y + h], 1),
+                     np.stack([x, y + h], 1)], 1)
+
+
+__all__ = ["Timeline", "draw_png", "format_text", "rank_total", "read_report", "summary", "timeline", "trace",
+           "write_trace"]

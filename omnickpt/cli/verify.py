@@ -2,7 +2,10 @@
 
 Reads every data file once, sequentially, in large chunks, with several files (or parts of one
 large file) checked in parallel threads: both the reads and CRC32C release the GIL. Nothing is
-decoded, so verifying an untrusted checkpoint executes no code from it.
+decoded, so verifying an untrusted checkpoint executes no code from it. Encoded chunks are not
+decoded either, but their sizes are judged as a load judges them: verify reports a compressed
+chunk whose zstd frame header declares a size other than the chunk's raw length (which a load
+refuses before decompressing) and a quantized chunk of the wrong length.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from omnickpt.formats import read_manifest
 from omnickpt.errors import CheckpointError
 from omnickpt.format.objects import validate_object
 from omnickpt.format import MANIFEST_NAME, Manifest, checksum, tiling_problem
+from omnickpt.format.codec import CODECS, FRAME_HEADER_MAX, frame_problem, stored_problem
 from omnickpt.storage import Storage, storage_for
 from omnickpt.storage.linked import with_siblings
 
@@ -36,6 +40,7 @@ class Span:
     nbytes: int
     checksum: int
     what: str       # "tensor 'model/weight' box offsets=[0, 0] lengths=[3, 4]" or "object 'rng'"
+    frame: int = 0  # a zstd-compressed chunk's raw length, which its frame header must declare
 
     @property
     def end(self) -> int:
@@ -85,10 +90,12 @@ def spans_of(manifest: Manifest) -> list[Span]:
                 continue
             what = f"tensor {name!r} box offsets={list(b.offsets)} lengths={list(b.lengths)}"
             grid = b.sums
+            framed = grid.stored is not None and grid.codec in CODECS
             for i, crc in enumerate(grid.crcs):
                 lo, hi = grid.file_chunk(i)   # a compressed chunk's CRC covers its stored bytes
                 where = what if len(grid.crcs) == 1 else f"{what} bytes [{lo}, {hi})"
-                spans.append(Span(b.file, lo, hi - lo, crc, where))
+                raw = grid.chunk(i)[1] - grid.chunk(i)[0] if framed else 0
+                spans.append(Span(b.file, lo, hi - lo, crc, where, raw if raw != hi - lo else 0))
     for key, entries in manifest.objects.items():
         for e in entries:
             if e.inline is None:
@@ -133,6 +140,7 @@ def verify(path: str, *, workers: int | None = None, chunk_bytes: int = CHUNK_BY
             f"{unchecked} box(es) have no checksums (a {manifest.layout.get('format', 'foreign')} checkpoint: its "
             "format stores none): only the structure and the file sizes were checked, not the bytes")
     report.problems += _coverage_problems(manifest, storage)
+    report.problems += _encoding_problems(manifest, storage)
     spans = spans_of(manifest)
     by_file: dict[int, list[Span]] = {}
     for s in spans:
@@ -212,6 +220,29 @@ def _coverage_problems(manifest: Manifest, storage: Storage) -> list[Problem]:
     return out
 
 
+def _encoding_problems(manifest: Manifest, storage: Storage) -> list[Problem]:
+    """Encoded chunks whose stored length their codec cannot produce (a quantized chunk's payload
+    has one exact size; a checkpoint of codec "none" stores every chunk raw): a load refuses them."""
+    out = []
+    for name, t in manifest.tensors.items():
+        cols = t.columns
+        if cols is not None and cols.stored is None:
+            continue    # no chunk is encoded
+        for b in t.boxes:
+            grid = b.sums
+            if grid is None or grid.stored is None:
+                continue
+            for i in range(len(grid.crcs)):
+                lo, hi = grid.file_chunk(i)
+                ra, rb = grid.chunk(i)
+                problem = stored_problem(hi - lo, rb - ra, grid.codec, grid.itemsize)
+                if problem:
+                    out.append(Problem(storage.describe(manifest.files[b.file].path),
+                                       f"tensor {name!r} box offsets={list(b.offsets)} lengths={list(b.lengths)} "
+                                       f"bytes [{lo}, {hi})", f"{problem}; the checkpoint is damaged"))
+    return out
+
+
 def _runs(spans: list[Span], task_bytes: int) -> list[list[Span]]:
     """Split offset-sorted spans into runs read as one stretch: close together, bounded in size."""
     runs: list[list[Span]] = []
@@ -235,6 +266,7 @@ def _check_run(storage: Storage, rel: str, spans: list[Span], chunk_bytes: int) 
     lo, hi = spans[0].offset, max(s.end for s in spans)
     buf = memoryview(bytearray(max(1, min(chunk_bytes, hi - lo))))
     crcs = [0] * len(spans)
+    heads = {i: bytearray() for i, s in enumerate(spans) if s.frame}   # the frame headers to judge
     first = 0            # spans before this one are complete
     pos = lo
     where = storage.describe(rel)
@@ -243,21 +275,34 @@ def _check_run(storage: Storage, rel: str, spans: list[Span], chunk_bytes: int) 
         try:
             storage.read_into(rel, pos, [buf[:n]])
         except CheckpointError as e:   # shrank or vanished since we looked at its size
-            return (_mismatches(where, spans[:first], crcs)
+            return (_mismatches(where, spans[:first], crcs, heads)
                     + [Problem(where, s.what, f"unreadable: {e}") for s in spans[first:]]), pos - lo
         i = first
         while i < len(spans) and spans[i].offset < pos + n:
             a, b = max(spans[i].offset, pos), min(spans[i].end, pos + n)
             if b > a:
                 crcs[i] = checksum(buf[a - pos:b - pos], crcs[i])
+                head = heads.get(i)
+                if head is not None and len(head) < FRAME_HEADER_MAX:
+                    head += buf[a - pos:min(b, spans[i].offset + FRAME_HEADER_MAX) - pos]
             i += 1
         while first < len(spans) and spans[first].end <= pos + n:
             first += 1
         pos += n
-    return _mismatches(where, spans, crcs), hi - lo
+    return _mismatches(where, spans, crcs, heads), hi - lo
 
 
-def _mismatches(where: str, spans: list[Span], crcs: list[int]) -> list[Problem]:
-    return [Problem(where, s.what, f"checksum mismatch (manifest {s.checksum:#010x}, data {c:#010x}): "
-                    "the data file is corrupt; restore it or use an earlier checkpoint")
-            for s, c in zip(spans, crcs) if c != s.checksum]
+def _mismatches(where: str, spans: list[Span], crcs: list[int], heads: dict[int, bytearray]) -> list[Problem]:
+    out = []
+    for i, (s, c) in enumerate(zip(spans, crcs)):
+        if c != s.checksum:
+            out.append(Problem(where, s.what, f"checksum mismatch (manifest {s.checksum:#010x}, data {c:#010x}): "
+                               "the data file is corrupt; restore it or use an earlier checkpoint"))
+        elif s.frame:
+            # Intact bytes that are not the frame the manifest describes: written so on purpose, or by
+            # a broken writer. A load refuses the chunk before decompressing it; say so here too.
+            problem = frame_problem(heads[i], s.frame)
+            if problem:
+                out.append(Problem(where, s.what, f"{problem}; the checkpoint is damaged: restore the data file "
+                                   "or use an earlier checkpoint"))
+    return out

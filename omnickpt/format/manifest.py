@@ -55,6 +55,8 @@ CHUNK_BYTES = 1 << 20
 # What a manifest may declare before anything is believed: larger values are damage, not data.
 _MAX_DIMS = 64
 _MAX_INT = 1 << 62
+# Versions are small integers, one per incompatible change; anything larger is a damaged field.
+_MAX_VERSION = 255
 
 # Only these dtypes are accepted from a manifest: a name is never resolved with getattr on
 # arbitrary input.
@@ -596,10 +598,10 @@ def _decode_v3(data: memoryview, where: str, wanted: set | None) -> Manifest:
     if len(data) < _PRELUDE.size:
         raise _corrupt(where, f"{len(data)} bytes is too short for a version-3 manifest (truncated)")
     _, version, head_len, arrays_len, crc, _ = _PRELUDE.unpack_from(data)
-    if version > FORMAT_VERSION or version < 3:
-        raise CorruptCheckpointError(
-            f"{where}: binary manifest of format version {version}; this omnickpt reads versions 1..{FORMAT_VERSION}"
-            + (": upgrade omnickpt" if version > FORMAT_VERSION else "; the manifest is damaged"))
+    if version > FORMAT_VERSION:
+        raise _newer(data, where, version, head_len, arrays_len, crc)
+    if version < 3:
+        raise _corrupt(where, f"its binary prelude says format version {version}, which has no binary form")
     if _PRELUDE.size + head_len + arrays_len != len(data):
         raise _corrupt(where, f"the prelude declares {_PRELUDE.size + head_len + arrays_len} bytes but the file has "
                        f"{len(data)} (truncated or extended)")
@@ -632,6 +634,30 @@ def _decode_v3(data: memoryview, where: str, wanted: set | None) -> Manifest:
     if m.block_bytes:
         _index_hashes(m, index, raw[_HASHES], where, wanted)
     return m
+
+
+def _newer(data: memoryview, where: str, version: int, head_len: int, arrays_len: int,
+           crc: int) -> CorruptCheckpointError:
+    """The error for a prelude declaring a version newer than this reader's. The version field lies
+    outside the manifest's checksum, so a flipped bit there would read as a newer format: it is
+    believed (and the user told to upgrade) only when the checksummed header says the same."""
+    header = None
+    if (version <= _MAX_VERSION and _PRELUDE.size + head_len + arrays_len == len(data)
+            and checksum(data[_PRELUDE.size:]) == crc):
+        try:
+            header = json.loads(bytes(data[_PRELUDE.size:_PRELUDE.size + head_len]), parse_constant=_refuse_constant)
+        except (ValueError, RecursionError):
+            pass
+    said = header.get("version") if isinstance(header, dict) else None
+    if said == version and type(said) is int:
+        return CorruptCheckpointError(f"{where}: format version {version} is newer than this omnickpt reads "
+                                      f"({FORMAT_VERSION}); upgrade omnickpt")
+    if type(said) is int:
+        return _corrupt(where, f"its prelude says format version {version} but its checksummed header says {said}: "
+                        "the version field is damaged")
+    return _corrupt(where, f"its prelude says format version {version}, and the rest of it cannot be read to confirm "
+                    f"that (this omnickpt reads versions 1..{FORMAT_VERSION}; a version field outside its checksum "
+                    "was most likely damaged)")
 
 
 def _index_hashes(m: Manifest, index: dict, hashes: np.ndarray, where: str, wanted: set | None) -> None:
@@ -669,7 +695,7 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
                 raise _corrupt(where, f"tensor {name!r} is stored with codec {codec!r:.40}, which this omnickpt "
                                "does not know for its dtype or without a chunked layout (upgrade omnickpt?)")
             error = t.get("max_error")
-            if type(error) not in (int, float) or not error >= 0:
+            if type(error) not in (int, float) or not 0 <= error < math.inf:
                 raise _corrupt(where, f"tensor {name!r} is quantized but records no valid max_error")
             if wanted is None or name in wanted:
                 m.quantized[name] = {"scheme": codec, "max_error": float(error)}
@@ -920,7 +946,8 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     if doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not an omnickpt manifest (format={doc.get('format')!r})")
     version = _int(doc["version"], "version")
-    if version < 1:
+    if not 1 <= version <= _MAX_VERSION:
+        # JSON carries no checksum: a version no omnickpt could have reached is damage, not a newer format
         raise CorruptCheckpointError(f"{where}: format version {version} does not exist; the manifest is damaged")
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
@@ -982,8 +1009,9 @@ def _decode(doc: dict, where: str, wanted: set | None = None, tensors_from: str 
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     created = doc.get("created", 0.0)
-    if type(created) not in (int, float):
-        raise ValueError(f"created must be a number, got {created!r:.40}")
+    # finite: JSON's 1e400 parses as inf, which no clock writes and no date can show
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise ValueError(f"created must be a finite number, got {created!r:.40}")
     block_bytes, base, chain = _incremental(doc, where, version)
     compression = doc.get("compression") if version >= 3 else None
     if compression is not None and compression not in STORED_CODECS:
@@ -1062,9 +1090,8 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[SavedBox]) -> str | None:
 def overlap_problem(shape: tuple[int, ...], boxes: list[SavedBox]) -> str | None:
     """None when no two boxes share an element, else which two do.
 
-    Without overlaps, counting elements proves coverage. The test sorts the boxes along their most
-    varied dimension and compares each with the boxes that start before it ends there, so the
-    usual layouts (row or column blocks) cost O(n log n).
+    Without overlaps, counting elements proves coverage. A few boxes are compared pair by pair;
+    more go to `_array_overlap`, O(n log n) (its docstring says how, and what it refuses).
     """
     boxes = [b for b in boxes if math.prod(b.lengths)]
     if len(boxes) > 32:
@@ -1088,25 +1115,6 @@ def overlap_problem(shape: tuple[int, ...], boxes: list[SavedBox]) -> str | None
     return None
 
 
-def _interval_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
-    """The usual layout, vectorised: boxes (non-empty) that differ along one dimension only (row or
-    column blocks of FSDP/TP) are intervals there, disjoint iff sorted starts clear the ends
-    before. Returns the problem, "" when there is none, None when the layout is not of that kind."""
-    varying = np.nonzero((lo != lo[0]).any(axis=0) | (ln != ln[0]).any(axis=0))[0]
-    if len(varying) > 1:
-        return None
-    d = int(varying[0]) if len(varying) else 0
-    if not lo.shape[1]:
-        return "" if len(lo) <= 1 else "two boxes of a 0-d tensor overlap"
-    order = np.argsort(lo[:, d], kind="stable")
-    starts, ends = lo[order, d], lo[order, d] + ln[order, d]
-    bad = np.nonzero(starts[1:] < ends[:-1])[0]
-    if not len(bad):
-        return ""
-    a, b = order[bad[0]], order[bad[0] + 1]
-    return (f"boxes {lo[a].tolist()}+{ln[a].tolist()} and {lo[b].tolist()}+{ln[b].tolist()} overlap")
-
-
 def overlap_problem_arrays(offsets: np.ndarray, lengths: np.ndarray, numel: np.ndarray | None = None) -> str | None:
     """overlap_problem for boxes given as [n, ndim] arrays (BoxColumns)."""
     if numel is None:
@@ -1118,13 +1126,130 @@ def overlap_problem_arrays(offsets: np.ndarray, lengths: np.ndarray, numel: np.n
     return _array_overlap(lo, ln)
 
 
+# Up to this many boxes every pair is compared at once (one numpy operation beats the sorting).
+_ALL_PAIRS = 48
+# The sweep of three or more interleaved dimensions compares candidate pairs; past this many (or
+# _PAIRS_PER_BOX per box) a manifest is refused rather than checked: see _array_overlap.
+_MAX_PAIRS, _PAIRS_PER_BOX = 4_000_000, 64
+
+
 def _array_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
-    """overlap_problem for non-empty boxes as [n, ndim] arrays: the interval test where it applies,
-    else the sweep."""
-    found = _interval_overlap(lo, ln)
-    if found is not None:
-        return found or None
-    return _sweep_overlap(lo, ln)
+    """overlap_problem for non-empty boxes as [n, ndim] arrays, in O(n log n) for every layout but
+    pathological ones of three or more interleaved dimensions (refused past a bound, never checked
+    for longer: a manifest is untrusted, and every rank and reader decodes it).
+
+    A dimension is a *grid* dimension when the boxes' intervals along it are pairwise equal or
+    disjoint (every dimension of a TP x FSDP x EP layout, a dimension no box splits): two boxes
+    then share an element there iff they have the same interval, so grouping the boxes by their
+    intervals in all grid dimensions leaves only the other dimensions to test within each group:
+    none (two boxes in one group overlap), one (sorted intervals must clear the previous end: the
+    runs of rows of an incremental save), two (a plane sweep, `_plane_sweep`), or more (the
+    candidate sweep, `_sweep_overlap`, whose work is the number of candidate pairs)."""
+    n, nd = lo.shape
+    if n <= 1:
+        return None
+    if not nd:
+        return "two boxes of a 0-d tensor overlap"
+    hi = lo + ln
+    if n <= _ALL_PAIRS:
+        hit = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
+        pairs = np.argwhere(np.triu(hit, 1))
+        return _pair(lo, ln, int(pairs[0, 0]), int(pairs[0, 1])) if len(pairs) else None
+    grid = [d for d in range(nd) if _is_grid(lo[:, d], hi[:, d])]
+    rest = [d for d in range(nd) if d not in grid]
+    group = _groups(lo[:, grid]) if grid else np.zeros(n, dtype=np.int64)
+    if len(rest) <= 1:
+        d = rest[0] if rest else 0
+        order = np.lexsort((lo[:, d], group))
+        same = group[order[1:]] == group[order[:-1]]
+        # no other dimension separates a group: its intervals along d, sorted by start, must each end
+        # before the next starts (with none, any two boxes of a group are equal in every dimension)
+        clash = same & (lo[order[1:], d] < hi[order[:-1], d]) if rest else same
+        k = np.flatnonzero(clash)
+        return _pair(lo, ln, int(order[k[0]]), int(order[k[0] + 1])) if len(k) else None
+    if len(rest) == 2:
+        b = _plane_sweep(lo[:, rest[0]], hi[:, rest[0]], lo[:, rest[1]], hi[:, rest[1]], group)
+        if b is None:
+            return None
+        partner = np.flatnonzero(((lo < hi[b]) & (lo[b] < hi)).all(axis=1))
+        return _pair(lo, ln, int(partner[partner != b][0]), b)
+    return _sweep_overlap(lo, ln, hi, group, rest)
+
+
+def _pair(lo: np.ndarray, ln: np.ndarray, a: int, b: int) -> str:
+    return f"boxes {lo[a].tolist()}+{ln[a].tolist()} and {lo[b].tolist()}+{ln[b].tolist()} overlap"
+
+
+def _is_grid(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether the intervals [lo, hi) (non-empty) are pairwise equal or disjoint."""
+    order = np.lexsort((hi, lo))
+    slo, shi = lo[order], hi[order]
+    distinct = (slo[1:] != slo[:-1]) | (shi[1:] != shi[:-1])
+    # sorted by start, the distinct intervals are disjoint iff each starts at or after the end of the one before
+    return not (distinct & (slo[1:] < shi[:-1])).any()
+
+
+def _groups(keys: np.ndarray) -> np.ndarray:
+    """A group number per row of `keys` [n, k], equal for equal rows."""
+    order = np.lexsort(keys.T[::-1])
+    new = np.ones(len(keys), dtype=bool)
+    new[1:] = (keys[order[1:]] != keys[order[:-1]]).any(axis=1)
+    group = np.empty(len(keys), dtype=np.int64)
+    group[order] = np.cumsum(new) - 1
+    return group
+
+
+def _plane_sweep(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray, group: np.ndarray) -> int | None:
+    """A box that shares an element with an earlier one within its group, as rectangles [x0, x1) x
+    [y0, y1), or None: O(n log n) whatever the layout. A sweep along x keeps the boxes it is inside
+    of; those are pairwise disjoint in y until a clash is found, so a box entering clashes iff some
+    active box starts below its y-end and ends above its y-start: the largest y-end among active
+    boxes ranked (by y-start) below its y-end, kept in a max segment tree."""
+    n = len(x0)
+    rank = np.empty(n, dtype=np.int64)
+    by_y = np.argsort(y0, kind="stable")
+    rank[by_y] = np.arange(n)
+    below = np.searchsorted(y0[by_y], y1, side="left")   # boxes that start below each box's y-end
+    # Leaving (at x1) sorts before entering (at x0) at one x, the intervals being half-open; a
+    # group's events all come before the next group's, so the tree is empty when a group begins.
+    entering = np.repeat([False, True], n)
+    order = np.lexsort((entering, np.concatenate([x1, x0]), np.concatenate([group, group])))
+    events, entering = np.concatenate([np.arange(n), np.arange(n)])[order], entering[order]
+    # size > n: the prefix queries below then never need the root's left border (see the loop)
+    size = 1 << n.bit_length()
+    tree = [-1] * (2 * size)   # leaf size + rank: the y-end of that box while it is active
+    rank_l, below_l, y0_l, y1_l = rank.tolist(), below.tolist(), y0.tolist(), y1.tolist()
+    for b, enter in zip(events.tolist(), entering.tolist()):
+        i = rank_l[b] + size
+        if enter:
+            # max over ranks [0, below[b]): from the right end up, taking each left sibling; the
+            # left end stays the leftmost node of its level, which adds nothing
+            best, r, lft = -1, below_l[b] + size, size
+            while lft < r:
+                if r & 1:
+                    r -= 1
+                    if tree[r] > best:
+                        best = tree[r]
+                lft >>= 1
+                r >>= 1
+            if best > y0_l[b]:
+                return b
+            v = y1_l[b]
+            tree[i] = v
+            i >>= 1
+            while i and tree[i] < v:
+                tree[i] = v
+                i >>= 1
+        else:
+            tree[i] = -1
+            i >>= 1
+            while i:
+                m = max(tree[2 * i], tree[2 * i + 1])
+                if tree[i] == m:
+                    break
+                tree[i] = m
+                i >>= 1
+    return None
 
 
 # Below this many boxes still to compare, the sweep takes each box against all its candidates at
@@ -1132,21 +1257,29 @@ def _array_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
 _SWEEP_ONE_BY_ONE = 64
 
 
-def _sweep_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
-    """The per-box test of overlap_problem for non-empty boxes of any layout (a grid of TP x FSDP
-    blocks), in numpy: sorted by start along the dimension with the most distinct starts, box i is
-    compared with its candidates (the boxes after it that start before it ends there) one shift at
-    a time, shift k comparing every box i whose candidates reach that far with box i + k. The work
-    is the number of candidate pairs, as in the loop, and the pair reported is the loop's: the
-    first box in sorted order that overlaps a later one, with the first such later one."""
-    n, nd = lo.shape
-    if not nd:
-        return "two boxes of a 0-d tensor overlap" if n > 1 else None
-    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(nd)]))
-    order = np.argsort(lo[:, d], kind="stable")
-    slo = lo[order]
-    shi = slo + ln[order]
-    stop = np.searchsorted(slo[:, d], shi[:, d], side="left")   # > i: a box starts before it ends
+def _sweep_overlap(lo: np.ndarray, ln: np.ndarray, hi: np.ndarray, group: np.ndarray, dims: list[int]) -> str | None:
+    """The test for three or more interleaved dimensions: sorted (within each group) by start along
+    the dimension of `dims` with the fewest candidate pairs (the boxes after a box that start
+    before it ends there), box i is compared with its candidates one shift at a time, shift k
+    comparing every box i whose candidates reach that far with box i + k. The work is the number of
+    candidate pairs, counted first: past max(_MAX_PAIRS, _PAIRS_PER_BOX * n) the boxes are refused."""
+    n = len(lo)
+    best = None
+    for d in dims:
+        order = np.lexsort((lo[:, d], group))
+        starts = np.unique(lo[:, d])
+        # one sortable key per box: (group, dense rank of its start); a box's candidates end at the
+        # first box of its group whose start is at or past its end
+        key = group[order] * (len(starts) + 1) + np.searchsorted(starts, lo[order, d])
+        stop = np.searchsorted(key, group[order] * (len(starts) + 1) + np.searchsorted(starts, hi[order, d]))
+        pairs = int((stop - np.arange(n) - 1).sum())
+        if best is None or pairs < best[0]:
+            best = (pairs, order, stop)
+    pairs, order, stop = best
+    if pairs > max(_MAX_PAIRS, _PAIRS_PER_BOX * n):
+        return (f"its {n} boxes interleave in {len(dims)} dimensions so that proving them disjoint would take "
+                f"{pairs} comparisons; no parallel layout writes such boxes, so they are refused unchecked")
+    slo, shi = lo[order], hi[order]
     active = np.flatnonzero(stop > np.arange(n) + 1)
     first = None   # (i, j) in sorted positions
     k = 1
@@ -1169,5 +1302,4 @@ def _sweep_overlap(lo: np.ndarray, ln: np.ndarray) -> str | None:
         active = active[stop[active] > active + k]
     if first is None:
         return None
-    a, b = order[first[0]], order[first[1]]
-    return f"boxes {lo[a].tolist()}+{ln[a].tolist()} and {lo[b].tolist()}+{ln[b].tolist()} overlap"
+    return _pair(lo, ln, int(order[first[0]]), int(order[first[1]]))

@@ -9,10 +9,13 @@ raises CorruptCheckpointError naming the object for anything it did not write. V
 MAX_DEPTH containers deep; encode_object refuses deeper ones. Nested extensions (a tuple inside a
 tuple...) are decoded one level at a time, never by msgpack calling back into itself: every
 nested level costs the C decoder tens of KB of stack, so a few hundred levels would crash the
-process instead of raising.
+process instead of raising. Decoding is linear in the bytes: the hashes of tuples and complex
+numbers are not randomised, so distinct keys of one hash can be crafted by the thousand, and a set
+or dict built from them would cost their square; such a value is refused (MAX_SAME_HASH).
 """
 from __future__ import annotations
 
+import collections
 import math
 import pickle
 
@@ -33,6 +36,10 @@ MAX_DEPTH = 64
 _MAX_DIMS = 64
 _MAX_EXTENT = 1 << 62
 _INT_RANGE = (-(1 << 63), 1 << 64)   # what a msgpack integer holds
+# Most keys of one dict (or items of one set) that may share a hash. Real values share one rarely
+# ((-1,) and (-2,) do, as -1 and -2 do), crafted ones by the thousand; building a dict costs the
+# square of the keys that share each hash, so this bounds the work to 64 comparisons a key.
+MAX_SAME_HASH = 64
 # Any torch dtype may appear as a *value* (a config's dtype=...); resolved from this table, never
 # with getattr on a name from the checkpoint.
 _ALL_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -252,7 +259,15 @@ class _Nested:
         self.code, self.payload = code, payload
 
 
-_CONTAINER_KINDS = frozenset({list, dict, _Nested})
+class _Complex:
+    """A complex numpy scalar, held back from msgpack's dict building (see ext_hook)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+_CONTAINER_KINDS = frozenset({list, dict, _Nested, _Complex})
 
 
 class _Pickled:
@@ -319,7 +334,10 @@ class _Decoder:
         if code == _NDARRAY:
             return self.ndarray(payload)
         if code == _NPSCALAR:
-            return self.npscalar(payload)
+            scalar = self.npscalar(payload)
+            # a complex one is put in place after the value holding it, so that msgpack never hashes
+            # it as a dict key (see MAX_SAME_HASH); other scalars hash as Python numbers do
+            return _Complex(scalar) if isinstance(scalar, np.complexfloating) else scalar
         if code == _DTYPE:
             name = self.leaf(payload)
             if not isinstance(name, str) or name not in _ALL_DTYPES:
@@ -406,17 +424,28 @@ class _Decoder:
         self.check_size(f"a numpy {name} scalar", (), dt.itemsize, raw)
         return np.frombuffer(raw, dtype=dt)[0]
 
+    def spread(self, items: list, what: str) -> None:
+        """Refuse `items` (keys of a dict, items of a set) when more than MAX_SAME_HASH share a hash:
+        building the container would cost their square. TypeError for an unhashable item."""
+        if len(items) > MAX_SAME_HASH:
+            worst = max(collections.Counter(map(hash, items)).values())
+            if worst > MAX_SAME_HASH:
+                raise self.damaged(f"a {what} of {len(items)} items, {worst} of which share one hash value (crafted "
+                                   "to make decoding take quadratic time)")
+
     def resolve(self, value, depth: int):
         """`value` with every _Nested decoded, checking that containers nest at most MAX_DEPTH deep."""
         kind = type(value)
         if kind is not list and kind is not dict and kind is not _Nested:
-            return value
+            return value.value if kind is _Complex else value
         if depth > MAX_DEPTH:
             raise self.damaged(f"the value is nested more than {MAX_DEPTH} levels deep")
         if kind is dict:
-            if any(type(k) is _Nested for k in value):
+            if any(type(k) is _Nested or type(k) is _Complex for k in value):
+                keys = [self.resolve(k, depth + 1) for k in value]
                 try:
-                    return {self.resolve(k, depth + 1): self.resolve(v, depth + 1) for k, v in value.items()}
+                    self.spread(keys, "dict")
+                    return dict(zip(keys, (self.resolve(v, depth + 1) for v in value.values())))
                 except TypeError as e:      # a set as a key
                     raise self.damaged(f"a dict key that cannot be a key ({e})") from None
             for k, v in value.items():
@@ -437,6 +466,7 @@ class _Decoder:
         if value.code == _TUPLE:
             return tuple(items)
         try:
+            self.spread(items, "set")
             return set(items)
         except TypeError as e:              # a list inside a set
             raise self.damaged(f"a set that holds an unhashable value ({e})") from None
