@@ -303,6 +303,17 @@ def acquire(storage: Storage | str, holder: str, *, what: str = "checkpoint", tt
     return lease
 
 
+def record_is_live(storage: Storage, record: str) -> bool | None:
+    """Whether the lease record at `record` (an owner record, or a reference record of a save in
+    flight) still protects what it names: True while its holder is alive and renewing it, False
+    once it is stale (unreadable or damaged, its process gone on this machine, or not renewed
+    within its ttl), None when there is none. Judged as `acquire` judges another job's record."""
+    doc = _read_record(storage, record)
+    if doc is None:
+        return None
+    return _stale(doc, _identity(), time.time()) is None
+
+
 # ---------------------------------------------------------------------- helpers
 def _identity() -> dict:
     """What tells this process from any other: host, boot (a rebooted or other machine reuses

@@ -34,8 +34,7 @@ from typing import Callable, Iterable
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError
 from omnickpt.format import CONTROL_DIR, FORMAT_VERSION, MAGIC, MANIFEST_NAME
-from omnickpt.lease import OWNER_RECORD, Lease, acquire
-from omnickpt.lease import _identity, _read_record, _stale   # a record's liveness, judged as a lease's owner is
+from omnickpt.lease import OWNER_RECORD, Lease, acquire, record_is_live
 from omnickpt.storage import Storage, storage_for
 from omnickpt.storage.linked import parent_path
 
@@ -301,20 +300,17 @@ def live_references(storage: Storage, folder: str = "") -> int:
     without giving them back (their process is gone, or they were not renewed within their ttl)
     are removed."""
     where = _join(folder, REFS_DIR)
-    live, me, now = 0, _identity(), time.time()
+    live = 0
     for name in storage.children(where):
         record = f"{where}/{name}"
-        doc = _read_record(storage, record)
-        if doc is None:
-            continue
-        if _stale(doc, me, now) is None:
+        state = record_is_live(storage, record)
+        if state:
             live += 1
-        else:
+        elif state is False:
             storage.delete(record)
     return live
 
 
 def _in_flight(storage: Storage, folder: str) -> bool:
     """Whether a save into `folder` is under way: its owner record is live."""
-    doc = _read_record(storage, f"{folder}/{OWNER_RECORD}")
-    return doc is not None and _stale(doc, _identity(), time.time()) is None
+    return bool(record_is_live(storage, f"{folder}/{OWNER_RECORD}"))
