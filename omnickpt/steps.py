@@ -27,7 +27,6 @@ import json
 import logging
 import re
 import struct
-import time
 import uuid
 import weakref
 from typing import Callable, Iterable
