@@ -1,4 +1,14 @@
-"""omnickpt: save and load the whole training state of PyTorch models at any parallel layout."""
+"""omnickpt: save and load the whole training state of PyTorch models at any parallel layout.
+
+Reading and checking checkpoints needs no model; each command of the `omnickpt` command line is one
+of these functions (the command only parses arguments and prints):
+
+    omnickpt.open(path)         the reader of tensors, boxes and objects (its type: CheckpointReader)
+    omnickpt.describe(path)     what a checkpoint holds, as data            `omnickpt inspect --json`
+    omnickpt.verify(path)       completeness and every checksum             `omnickpt verify`
+    omnickpt.diff(a, b)         what differs between two checkpoints        `omnickpt diff`
+    omnickpt.read_report(path)  a save's per-rank phase timings             `omnickpt report`
+"""
 from omnickpt.version import __version__  # noqa: E402,F401
 
 from omnickpt.adapters.rng import RNGState  # noqa: E402
@@ -10,16 +20,25 @@ from omnickpt.errors import (  # noqa: E402
     StorageError, UnsafeCheckpointError, UnsupportedError)
 from omnickpt.manager import CheckpointManager  # noqa: E402
 from omnickpt.tiered import MemoryTierOptions, TieredCheckpointManager  # noqa: E402
-# `omnickpt.open(path)` (like safetensors.safe_open); left out of __all__ so `import *` never shadows the builtin.
-from omnickpt.reader import CheckpointReader, open_checkpoint as open  # noqa: E402,A001,F401
+from omnickpt.reader import CheckpointReader, read_report  # noqa: E402
+# `omnickpt.open(path)` is the reader class itself, as safetensors.safe_open is: one concept, called `open`,
+# typed `CheckpointReader`. Left out of __all__ so that `import *` never shadows the builtin open.
+from omnickpt.reader import CheckpointReader as open  # noqa: E402,A001,F401
 from omnickpt.spec import ShardSpec  # noqa: E402
 from omnickpt.storage.shm import clear_memory, memory_usage  # noqa: E402
-from omnickpt.cli.verify import verify  # noqa: E402  (the CLI's `omnickpt verify PATH`, as a function)
+from omnickpt.contents import describe  # noqa: E402
+from omnickpt.compare import diff  # noqa: E402
+from omnickpt.integrity import verify  # noqa: E402
 
 __all__ = [
-    "CheckpointError", "CheckpointLockedError", "CheckpointManager", "CheckpointReader", "CheckpointTimeoutError", "Checkpointer", "CorruptCheckpointError",
-    "DataParallelStateful", "LoadResult", "MemoryTierOptions", "MismatchError", "NotCommittedError", "PackedTokenLoader", "PlanError", "RNGState",
-    "ReshardableSampler", "SaveHandle", "ShardSpec", "StorageError", "TieredCheckpointManager",
-    "UnsafeCheckpointError", "clear_memory", "memory_usage", "UnsupportedError", "is_committed", "load", "read_manifest", "save",
-    "verify",
+    # saving and loading in a training job
+    "Checkpointer", "CheckpointManager", "LoadResult", "MemoryTierOptions", "SaveHandle", "ShardSpec",
+    "TieredCheckpointManager", "clear_memory", "is_committed", "load", "memory_usage", "read_manifest", "save",
+    # state that is not a module or an optimizer
+    "DataParallelStateful", "PackedTokenLoader", "RNGState", "ReshardableSampler",
+    # reading and checking a checkpoint (`omnickpt.open` is CheckpointReader, kept out of __all__: see above)
+    "CheckpointReader", "describe", "diff", "read_report", "verify",
+    # errors
+    "CheckpointError", "CheckpointLockedError", "CheckpointTimeoutError", "CorruptCheckpointError", "MismatchError",
+    "NotCommittedError", "PlanError", "StorageError", "UnsafeCheckpointError", "UnsupportedError",
 ]

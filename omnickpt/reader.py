@@ -12,12 +12,16 @@ foreign formats `read_manifest` recognises). There is no model and no process gr
 load of one box into a fresh tensor, through the same code as `load()` (`plan_reads`, then
 `read_tensors`), so it reads only the checksum chunks the box touches, from whatever boxes the
 saving ranks wrote, and verifies every chunk it reads before returning anything.
+
+`read_report(path)` reads the other file a save leaves next to its manifest: its timing report.
 """
 from __future__ import annotations
 
 import difflib
 import math
 import operator
+import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -27,10 +31,11 @@ import torch
 
 from omnickpt.formats import read_manifest
 from omnickpt.engine.load import check_file_sizes, read_objects, read_tensors
-from omnickpt.errors import CorruptCheckpointError, MismatchError
+from omnickpt.errors import CheckpointError, CorruptCheckpointError, MismatchError, StorageError
 from omnickpt.format import Manifest, ObjectEntry, checksum, decode_object, dtype_from_name
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer
+from omnickpt.monitor.report import REPORT_NAME, parse_report
 from omnickpt.planner import plan_reads
 from omnickpt.storage import storage_for
 from omnickpt.storage.linked import with_siblings
@@ -168,6 +173,10 @@ def _box_int(v: Any, name: str) -> int:
 
 class CheckpointReader:
     """Read-only access to the checkpoint at `path`, with no model: see the module docstring.
+
+    `omnickpt.open` is this class, as safetensors' `safe_open` is its reader class: open a checkpoint
+    with `omnickpt.open(path)` and name its type `CheckpointReader` (annotations, isinstance).
+    NotCommittedError when there is no checkpoint of any format omnickpt reads at `path`.
 
     `transforms` (omnickpt.transforms) rewrite the names and fusing first, as they do for a load.
     `workers` threads read in parallel. `verify=False` skips the checksums (never needed for
@@ -374,9 +383,37 @@ class CheckpointReader:
 
 def open_checkpoint(path: str, *, transforms: Sequence[Any] = (), workers: int = 4, verify: bool = True,
                     allow_pickle: bool = False) -> CheckpointReader:
-    """A CheckpointReader for `path` (exported as `omnickpt.open`). NotCommittedError when there is
-    no checkpoint of any format omnickpt reads there."""
+    """Deprecated: `omnickpt.open(path)` is the same reader (this warns, then returns it)."""
+    warnings.warn("omnickpt.reader.open_checkpoint is deprecated: use omnickpt.open(path), the same reader",
+                  DeprecationWarning, stacklevel=2)
     return CheckpointReader(path, transforms=transforms, workers=workers, verify=verify, allow_pickle=allow_pickle)
 
 
-__all__ = ["CheckpointReader", "TensorInfo", "as_dtype", "open_checkpoint", "slab_boxes"]
+def read_report(path: str) -> dict:
+    """The timing report at `path`: a JSON file (a report saved with `json.dump(result.report, f)`),
+    or the report.json of the checkpoint directory `path`; omnickpt.monitor.report summarises, traces
+    and draws it. NotCommittedError when `path` is no checkpoint, CheckpointError when it has no
+    report, CorruptCheckpointError when the report is not a JSON object."""
+    if os.path.isfile(path):
+        where = path
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise StorageError(f"{path}: cannot read the report ({e.strerror or e})") from None
+    else:
+        storage = storage_for(path)
+        where = storage.describe(REPORT_NAME)
+        try:
+            raw = storage.read_bytes(REPORT_NAME)
+        except FileNotFoundError:
+            manifest = read_manifest(storage)   # NotCommittedError when there is no checkpoint at all
+            raise CheckpointError(
+                f"{storage.describe()} has no {REPORT_NAME}"
+                + (f": it is a {manifest.layout['format']} checkpoint read by omnickpt, which records no timings"
+                   if manifest.layout.get("format") else
+                   ": the save that wrote it kept no report (removed, or written by an older omnickpt)")) from None
+    return parse_report(raw, where, path)
+
+
+__all__ = ["CheckpointReader", "TensorInfo", "as_dtype", "read_report", "slab_boxes"]

@@ -16,6 +16,10 @@
 Every command reads any format omnickpt reads (its own, Hugging Face and DCP folders). Exit
 status: 0 when all is well, 1 when a checkpoint is missing, not committed or damaged (or, for
 diff, when the two differ), 2 for a usage error.
+
+Each command is a library function (omnickpt.describe, verify, diff, read_report, convert.convert,
+clear_memory); this package parses the arguments, prints (the text of each command in its module:
+cli/inspect.py, verify.py, diff.py, report.py) and chooses the exit status.
 """
 from __future__ import annotations
 
@@ -168,14 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inspect(args) -> int:
-    from omnickpt.cli.inspect import describe, format_text
+    from omnickpt.cli.inspect import format_text
+    from omnickpt.contents import describe
     doc = describe(args.path, boxes=args.boxes, filters=args.filter, tree=args.tree, values=not args.no_values)
     print(json.dumps(doc, indent=2) if args.json else format_text(doc))
     return 0
 
 
 def _diff(args) -> int:
-    from omnickpt.cli.diff import diff, format_text
+    from omnickpt.cli.diff import format_text
+    from omnickpt.compare import diff
     report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_text(report, show_all=args.all))
     return 1 if report.differs else 0
@@ -219,7 +225,9 @@ def _convert_notes(result: dict, to: str) -> list[str]:
 
 
 def _report(args) -> int:
-    from omnickpt.cli.report import draw_png, format_text, read_report, summary, write_trace
+    from omnickpt.cli.report import format_text
+    from omnickpt.monitor.report import draw_png, summary, write_trace
+    from omnickpt.reader import read_report
     report = read_report(args.path)
     doc = summary(report)
     if args.png:
@@ -235,20 +243,14 @@ def _report(args) -> int:
 
 
 def _verify(args) -> int:
-    from omnickpt.cli.verify import verify
+    from omnickpt.cli.verify import format_text
+    from omnickpt.integrity import verify
     report = verify(args.path, workers=args.workers)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        for p in report.problems:
-            print(p)
-        for note in report.notes:
-            print(f"note: {note}")
-        if report.ok:
-            print(f"OK {report.path}: {report.tensors} tensors in {report.boxes} boxes, {report.objects} object "
-                  f"values, {report.files} data files; {report.bytes_checked} bytes read and checksummed in "
-                  f"{report.seconds:.2f} s")
-        else:
+        print(format_text(report))
+        if not report.ok:
             print(f"FAILED {report.path}: {len(report.problems)} problem(s)", file=sys.stderr)
     return 0 if report.ok else 1
 

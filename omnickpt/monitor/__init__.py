@@ -73,5 +73,6 @@ def format_report(report: dict) -> str:
     lines = [f"{report['kind']}: {report['total_bytes'] / 1e6:.1f} MB on {report['world_size']} rank(s)"
              + (f" in {report['seconds']:.3f} s" if "seconds" in report else "")]
     for p, v in report["phases"].items():
-        lines.append(f"  {p:<10} min {v['min']:.4f}  median {v['median']:.4f}  max {v['max']:.4f}  (rank {v['slowest_rank']})")
+        lines.append(f"  {p:<10} min {v['min']:.4f}  median {v['median']:.4f}  max {v['max']:.4f}  "
+                     f"(rank {v['slowest_rank']})")
     return "\n".join(lines)
