@@ -16,7 +16,7 @@ from omnickpt.cli import main as cli
 from omnickpt.convert import convert, parse_size, parse_transform
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsafeCheckpointError
 from omnickpt.layout import Box
-from omnickpt.reader import open_checkpoint, slab_boxes
+from omnickpt.reader import CheckpointReader, slab_boxes
 
 MiB = 1 << 20
 
@@ -65,7 +65,7 @@ def test_get_of_a_box_reads_only_the_chunks_it_needs_and_a_corrupt_chunk_elsewhe
     path = tmp_path / "big"
     omnickpt.save(str(path), {"w": omnickpt.ShardSpec(big, (0, 0), big.shape, name="w/big"), "model": nn.Linear(4, 4)})
     name = "w/big"
-    with open_checkpoint(str(path)) as ckpt:
+    with CheckpointReader(str(path)) as ckpt:
         assert name in ckpt.names()
         top = ckpt.get(name, box=(slice(0, 10),))
         assert torch.equal(top, big[:10])
@@ -76,19 +76,19 @@ def test_get_of_a_box_reads_only_the_chunks_it_needs_and_a_corrupt_chunk_elsewhe
     manifest = omnickpt.read_manifest(omnickpt.api.storage_for(str(path)))
     (box,) = manifest.tensors[name].boxes
     flip_byte(path / manifest.files[box.file].path, box.offset + 7 * MiB + 5)   # inside the last chunk
-    with open_checkpoint(str(path)) as ckpt:
+    with CheckpointReader(str(path)) as ckpt:
         assert torch.equal(ckpt.get(name, (slice(256, 300), slice(None))), big[256:300])   # chunk 2: intact
         with pytest.raises(CorruptCheckpointError, match=r"at bytes \[7340032, 8388608\) for tensor 'w/big'"):
             ckpt.get(name)
         with pytest.raises(CorruptCheckpointError):
             ckpt.get(name, (slice(2000, 2048),))
-    with open_checkpoint(str(path), verify=False) as ckpt:   # on purpose: the damaged bytes come back
+    with CheckpointReader(str(path), verify=False) as ckpt:   # on purpose: the damaged bytes come back
         assert not torch.equal(ckpt.get(name), big)
 
 
 def test_get_accepts_boxes_slices_and_indexes_and_casts(ckpt):
     w = _state()["model"][0].weight.detach()
-    with open_checkpoint(str(ckpt)) as c:
+    with CheckpointReader(str(ckpt)) as c:
         assert torch.equal(c.get("model/0.weight"), w)
         assert torch.equal(c.get("model/0.weight", ((4, 2), (3, 5))), w[4:7, 2:7])
         assert torch.equal(c.get("model/0.weight", Box((4, 2), (3, 5))), w[4:7, 2:7])
@@ -114,7 +114,7 @@ def test_objects_are_decoded_safely_and_pickle_needs_consent(tmp_path):
     path = tmp_path / "p"
     omnickpt.save(str(path), {"plain": {"lr": 0.1, "betas": (0.9, 0.99)}, "odd": {"f": fractions.Fraction(1, 3)}},
                   allow_pickle=True)
-    with open_checkpoint(str(path)) as c:
+    with CheckpointReader(str(path)) as c:
         assert c.objects(["plain"]) == {"plain": {"lr": 0.1, "betas": (0.9, 0.99)}}
         with pytest.raises(UnsafeCheckpointError, match="pickle"):
             c.objects()
@@ -155,7 +155,7 @@ def two_rank(tmp_path_factory):
 
 
 def test_reader_on_a_two_rank_checkpoint(two_rank):
-    with open_checkpoint(str(two_rank)) as c:
+    with CheckpointReader(str(two_rank)) as c:
         assert c.info("sharded").boxes == 2 and c.layout["world_size"] == 2
         assert torch.equal(c.get("sharded"), torch.arange(24.0).reshape(6, 4))
         assert torch.equal(c.get("sharded", (slice(2, 5), slice(1, 3))), torch.arange(24.0).reshape(6, 4)[2:5, 1:3])
@@ -338,7 +338,7 @@ def test_convert_casts_selects_a_key_and_applies_transforms(ckpt, tmp_path):
     out = convert(str(ckpt), str(dst), to="omnickpt", key="model", dtype="bfloat16", progress=False,
                   transforms=[parse_transform('Rename({"0.weight": "first.weight"})')])
     assert out["tensors"] == 4 and out["objects"] == 0
-    with open_checkpoint(str(dst)) as c:
+    with CheckpointReader(str(dst)) as c:
         assert sorted(c.names()) == ["model/0.bias", "model/2.bias", "model/2.weight", "model/first.weight"]
         assert c.info("model/first.weight").dtype == torch.bfloat16
         assert torch.equal(c.get("model/first.weight"), _state()["model"][0].weight.detach().bfloat16())
@@ -414,7 +414,7 @@ def test_convert_a_hugging_face_folder_into_omnickpt(tmp_path, capsys):
     assert _run(["verify", dst], capsys)[0] == 0
     rc, out, _ = _run(["diff", hf, dst], capsys)
     assert rc == 0, out
-    with open_checkpoint(str(hf)) as a, open_checkpoint(str(dst)) as b:
+    with CheckpointReader(str(hf)) as a, CheckpointReader(str(dst)) as b:
         assert a.format == "hf" and b.format == "omnickpt" and a.names() == b.names()
         name = next(n for n in a.names() if n.endswith("embed_tokens.weight"))
         assert torch.equal(a.get(name, (slice(3, 9),)), b.get(name)[3:9])
