@@ -23,16 +23,14 @@ is stripped to them (manifest first) and removed whole on a later pass, once not
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
-import struct
 import uuid
 import weakref
 from typing import Callable, Iterable
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError
-from omnickpt.format import CONTROL_DIR, FORMAT_VERSION, MAGIC, MANIFEST_NAME
+from omnickpt.format import CONTROL_DIR, MANIFEST_NAME, read_header
 from omnickpt.lease import OWNER_RECORD, Lease, acquire, record_is_live
 from omnickpt.storage import Storage, storage_for
 from omnickpt.storage.linked import parent_path
@@ -42,8 +40,6 @@ LATEST_NAME = "latest"
 # Reference records of saves in flight that may reference a folder's data: <folder>/.omnickpt/refs/<id>.json,
 # each a lease record (omnickpt/lease.py) of the saving job.
 REFS_DIR = f"{CONTROL_DIR}/refs"
-# The version-3 manifest's prelude (format/manifest.py): magic, version, header bytes, array bytes, crc, reserved.
-_PRELUDE = struct.Struct("<8sIIQII")
 _log = logging.getLogger("omnickpt")
 
 
@@ -106,29 +102,12 @@ def referenced_files(storage: Storage, folder: str) -> set[tuple[str, str]]:
     if not storage.exists(rel):
         return set()
     where = storage.describe(folder)
-
-    def corrupt(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint {where}: {what}; cannot tell which files of other steps it "
-                                      "uses: restore its manifest, or remove that checkpoint")
-    size = storage.size(rel)
-    if size == 0:
-        raise corrupt("its manifest is empty")
-    first = bytearray(min(size, _PRELUDE.size))
-    storage.read_into(rel, 0, [memoryview(first)])
-    if first[:1] == b"{":
+    advice = "cannot tell which files of other steps it uses: restore its manifest, or remove that checkpoint"
+    # a newer format may name other steps' files in a way this code does not know: read_header refuses it
+    doc = read_header(storage, rel, f"checkpoint {where}", advice)
+    if doc is None:
         return set()
-    if len(first) < _PRELUDE.size or bytes(first[:len(MAGIC)]) != MAGIC:
-        raise corrupt(f"its manifest starts with {bytes(first[:len(MAGIC)])!r}, neither a version-3 prelude nor JSON")
-    _, version, head_len, _, _, _ = _PRELUDE.unpack(first)
-    if version < 3 or version > FORMAT_VERSION:
-        # a newer format may name other steps' files in a way this code does not know
-        raise corrupt(f"its manifest is of format version {version}; this omnickpt reads 3..{FORMAT_VERSION}")
-    if _PRELUDE.size + head_len > size:
-        raise corrupt(f"its manifest's header ({head_len} bytes) runs past its {size} bytes (truncated)")
-    head = bytearray(head_len)
-    storage.read_into(rel, _PRELUDE.size, [memoryview(head)])
     try:
-        doc = json.loads(head.decode("utf-8"))
         found = set()
         for f in doc["files"]:
             if "base" not in f:
@@ -138,8 +117,9 @@ def referenced_files(storage: Storage, folder: str) -> set[tuple[str, str]]:
                 raise ValueError(f"file record {f!r:.120} has no valid base and path")
             found.add((base, path))
         return found
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
-        raise corrupt(f"its manifest's header is unreadable ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"checkpoint {where}: its manifest's header is unreadable "
+                                     f"({type(e).__name__}: {e}); {advice}") from None
 
 
 def retire(storage: Storage, keep: int | None, upto: int, pinned: Iterable[int] = (), rel: str = "",

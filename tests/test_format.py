@@ -318,6 +318,58 @@ def test_every_supported_dtype_has_a_stable_name():
         dtype_from_name("FloatTensor")
 
 
+class _CountingStorage:
+    """A LocalStorage that records every ranged read: (offset, bytes)."""
+
+    def __init__(self, root):
+        from omnickpt.storage import LocalStorage
+        self._st, self.reads = LocalStorage(str(root)), []
+
+    def read_into(self, rel, offset, buffers):
+        self.reads.append((offset, sum(len(b) for b in buffers)))
+        self._st.read_into(rel, offset, buffers)
+
+    def __getattr__(self, name):
+        return getattr(self._st, name)
+
+
+def test_read_header_reads_only_the_prelude_and_the_header(tmp_path):
+    from omnickpt.format import read_header
+    from omnickpt.format.v3 import PRELUDE, prelude
+    m = _manifest()
+    m.tensors["big"] = TensorEntry((4096, 8), "float32", [
+        SavedBox.stored((i, 0), (1, 8), 0, 0, 32, [i]) for i in range(4096)])
+    m.files[0].bytes = 1 << 20
+    raw = m.encode()
+    (tmp_path / "manifest.json").write_bytes(raw)
+    st = _CountingStorage(tmp_path)
+    header = read_header(st, "manifest.json")
+    p = prelude(raw)
+    assert st.reads == [(0, PRELUDE.size), (PRELUDE.size, p.header_bytes)]    # never the arrays
+    assert p.array_bytes > 8 * p.header_bytes
+    assert header["save_id"] == "abc" and header["version"] == 3 and len(header["files"]) == 2
+    assert header["tensors"]["big"]["boxes"] == 4096
+    # a JSON manifest (versions 1, 2) has no header of its own
+    (tmp_path / "manifest.json").write_bytes(dataclasses.replace(_manifest(), version=2).encode())
+    assert read_header(st, "manifest.json") is None
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda raw: b"", "empty"),
+    (lambda raw: b"GARBAGE!" + raw[8:], "neither a version-3 prelude nor JSON"),
+    (lambda raw: raw[:40], "truncated"),
+    (lambda raw: raw[:8] + (7).to_bytes(4, "little") + raw[12:], "version 7"),
+    (lambda raw: raw[:32] + b"[" + raw[33:], "unreadable"),
+])
+def test_read_header_refuses_what_it_cannot_read(tmp_path, damage, said):
+    from omnickpt.format import read_header
+    from omnickpt.storage import LocalStorage
+    (tmp_path / "manifest.json").write_bytes(damage(_manifest().encode()))
+    with pytest.raises(CorruptCheckpointError, match=said) as e:
+        read_header(LocalStorage(str(tmp_path)), "manifest.json", where="ckpt", advice="do this")
+    assert str(e.value).startswith("ckpt: ") and str(e.value).endswith("; do this")
+
+
 # ----------------------------------------------------------------------------------------- objects
 def _roundtrip(value, **kw):
     return decode_object(encode_object(value, **kw), **kw)

@@ -148,3 +148,53 @@ def test_flat_range_to_boxes_rejects_ranges_outside_the_tensor():
     with pytest.raises(ValueError):
         flat_range_to_boxes((2, 3), -1, 2)
     assert flat_range_to_boxes((), 0, 1) == [Box((), ())]
+
+
+# ------------------------------------------------------------------------------ overlap and tiling
+def _brute_overlap(boxes: list[Box]) -> bool:
+    return any(intersect(a, b) is not None and a.numel and b.numel
+               for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+@pytest.mark.parametrize("count", [3, 40, 200])   # pair by pair, all pairs at once, and the sweeps
+def test_overlap_problem_agrees_with_brute_force(count):
+    from omnickpt.layout import overlap_problem, overlap_problem_arrays, tiling_problem
+    for case in range(60):
+        rng = random.Random(case * 1000 + count)
+        shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 4)))
+        boxes = [_box(rng, shape) for _ in range(rng.randint(0, count))]
+        if rng.random() < 0.5:   # a disjoint tiling (rows), optionally with one box doubled
+            boxes = [Box((i,) + (0,) * (len(shape) - 1), (1,) + shape[1:]) for i in range(shape[0])]
+            if rng.random() < 0.5:
+                boxes.append(boxes[rng.randrange(len(boxes))])
+        want = _brute_overlap(boxes)
+        got = overlap_problem(shape, boxes)
+        assert (got is not None) == want, (case, shape, boxes, got)
+        n = len(boxes)
+        lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(n, len(shape))
+        ln = np.array([b.lengths for b in boxes], dtype=np.int64).reshape(n, len(shape))
+        assert (overlap_problem_arrays(lo, ln) is not None) == want, (case, shape, boxes)
+        held = sum(b.numel for b in boxes)
+        assert (tiling_problem(shape, boxes) is None) == (not want and held == math.prod(shape))
+
+
+def test_bulk_disjoint_never_clears_an_overlap():
+    from omnickpt.layout import bulk_disjoint
+    rows = [Box((0, 0), (2, 4)), Box((2, 0), (2, 4))]        # sorted slabs: proven disjoint in bulk
+    cols = [Box((0, 2), (4, 2)), Box((0, 0), (4, 2))]        # disjoint but unsorted: left to the exact test
+    clash = [Box((0, 0), (3, 4)), Box((2, 0), (2, 4))]       # overlapping: never cleared
+    boxes = rows + cols + clash
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64)
+    ln = np.array([b.lengths for b in boxes], dtype=np.int64)
+    clear = bulk_disjoint(lo, ln, ln.prod(axis=1), np.array([2, 2, 2]))
+    assert clear.tolist() == [True, False, False]
+
+
+def test_layout_stays_a_leaf():
+    # layout is pure geometry: the format, the planner and the readers import it, never the reverse
+    import ast
+    import omnickpt.layout as layout
+    tree = ast.parse(open(layout.__file__).read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m.startswith("omnickpt") for m in imported), imported

@@ -1,18 +1,22 @@
 """The on-storage format: manifest schema, versioning, checksums, safe object encoding.
 
-docs/format.md is the human-readable specification of what this package writes.
+docs/format.md is the human-readable specification of what this package writes. records.py holds
+the manifest's records; v3.py (binary, written by default) and legacy.py (JSON, versions 1 and 2)
+their encodings, over header.py (the fields every version shares); manifest.py picks the codec.
+The geometry of boxes (overlap, tiling) lives in omnickpt/layout.py.
 """
 from omnickpt.format.checksum import checksum
-from omnickpt.format.manifest import (
-    BoxColumns,
+from omnickpt.format.manifest import manifest_document
+from omnickpt.format.objects import ShardRef, decode_object, encode_object
+from omnickpt.format.records import (
     CHUNK_BYTES,
-    ColumnTable,
     CONTROL_DIR,
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
-    MAGIC,
     MANIFEST_NAME,
+    BoxColumns,
+    ColumnTable,
     FileEntry,
     Manifest,
     ObjectEntry,
@@ -21,14 +25,13 @@ from omnickpt.format.manifest import (
     TensorEntry,
     dtype_from_name,
     dtype_name,
-    manifest_document,
-    overlap_problem,
-    tiling_problem,
 )
-from omnickpt.format.objects import ShardRef, decode_object, encode_object
+from omnickpt.format.v3 import MAGIC, read_header
+from omnickpt.layout import overlap_problem, tiling_problem
 
 __all__ = [
-    "BoxColumns", "CHUNK_BYTES", "ColumnTable", "CONTROL_DIR", "DATA_DIR", "Sums", "overlap_problem", "tiling_problem", "FORMAT_NAME", "FORMAT_VERSION", "MAGIC", "MANIFEST_NAME", "FileEntry", "Manifest", "ObjectEntry",
-    "SavedBox", "ShardRef", "TensorEntry", "checksum", "decode_object", "dtype_from_name", "dtype_name", "manifest_document",
-    "encode_object",
+    "BoxColumns", "CHUNK_BYTES", "CONTROL_DIR", "ColumnTable", "DATA_DIR", "FORMAT_NAME", "FORMAT_VERSION", "FileEntry",
+    "MAGIC", "MANIFEST_NAME", "Manifest", "ObjectEntry", "SavedBox", "ShardRef", "Sums", "TensorEntry", "checksum",
+    "decode_object", "dtype_from_name", "dtype_name", "encode_object", "manifest_document", "overlap_problem",
+    "read_header", "tiling_problem",
 ]

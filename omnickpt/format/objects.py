@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
-from omnickpt.format.manifest import _DTYPES
+from omnickpt.format.records import _DTYPES
 
 _TENSOR, _TUPLE, _NDARRAY, _PICKLE, _SET, _NPSCALAR, _DTYPE, _SHARDREF = range(1, 9)
 
@@ -163,27 +163,7 @@ def _check_encodable(value, path: list, depth: int, allow_pickle: bool) -> None:
     """Refuse, before msgpack sees it, anything that would fail to encode with an unnamed error
     or encode into bytes that could not be decoded. `path` is the list of keys down to `value`
     (formatted only for an error: a list of a million floats costs one type test per element)."""
-    kind = type(value)
-    if kind is str:
-        problem = utf8_problem(value)
-        if problem:
-            raise UnsupportedError(f"{_path(path)!r}: the text {value!r} {problem}; it cannot be saved: fix or drop it")
-        return
-    if kind is int:
-        if not allow_pickle and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
-            raise UnsupportedError(f"{_path(path)!r}: the integer {value} does not fit in 64 bits; save it as text "
-                                   "(str(n)), or pass allow_pickle=True")
-        return
-    if kind in (float, bool, bytes) or value is None:
-        return
-    if isinstance(value, torch.Tensor):
-        problem = tensor_problem(value)
-        if problem:
-            raise UnsupportedError(f"tensor {_path(path)!r} {problem}")
-        return
-    if isinstance(value, torch.dtype):
-        if str(value).removeprefix("torch.") not in _ALL_DTYPES:
-            raise UnsupportedError(f"{_path(path)!r}: {value} is not a dtype of this torch; it cannot be saved")
+    if _checked_leaf(value, path, allow_pickle):
         return
     if not isinstance(value, (dict, list, tuple, set, frozenset)):
         return      # numpy values, ShardRefs, other objects: encode_object's default() decides
@@ -206,6 +186,34 @@ def _check_encodable(value, path: list, depth: int, allow_pickle: bool) -> None:
         path.append(i)
         _check_encodable(v, path, depth + 1, allow_pickle)
         path.pop()
+
+
+def _checked_leaf(value, path: list, allow_pickle: bool) -> bool:
+    """True when `value` is a leaf (text, number, bytes, None, tensor, dtype) that encodes;
+    UnsupportedError when it is one that does not; False for anything else."""
+    kind = type(value)
+    if kind is str:
+        problem = utf8_problem(value)
+        if problem:
+            raise UnsupportedError(f"{_path(path)!r}: the text {value!r} {problem}; it cannot be saved: fix or drop it")
+        return True
+    if kind is int:
+        if not allow_pickle and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+            raise UnsupportedError(f"{_path(path)!r}: the integer {value} does not fit in 64 bits; save it as text "
+                                   "(str(n)), or pass allow_pickle=True")
+        return True
+    if kind in (float, bool, bytes) or value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        problem = tensor_problem(value)
+        if problem:
+            raise UnsupportedError(f"tensor {_path(path)!r} {problem}")
+        return True
+    if isinstance(value, torch.dtype):
+        if str(value).removeprefix("torch.") not in _ALL_DTYPES:
+            raise UnsupportedError(f"{_path(path)!r}: {value} is not a dtype of this torch; it cannot be saved")
+        return True
+    return False
 
 
 _LEAF_KINDS = frozenset({int, float, bool, bytes, str, type(None)})
@@ -441,17 +449,24 @@ class _Decoder:
         if depth > MAX_DEPTH:
             raise self.damaged(f"the value is nested more than {MAX_DEPTH} levels deep")
         if kind is dict:
-            if any(type(k) is _Nested or type(k) is _Complex for k in value):
-                keys = [self.resolve(k, depth + 1) for k in value]
-                try:
-                    self.spread(keys, "dict")
-                    return dict(zip(keys, (self.resolve(v, depth + 1) for v in value.values())))
-                except TypeError as e:      # a set as a key
-                    raise self.damaged(f"a dict key that cannot be a key ({e})") from None
-            for k, v in value.items():
-                if type(v) in _CONTAINER_KINDS:
-                    value[k] = self.resolve(v, depth + 1)
-            return value
+            return self._resolve_dict(value, depth)
+        return self._resolve_items(value, kind, depth)
+
+    def _resolve_dict(self, value: dict, depth: int) -> dict:
+        if any(type(k) is _Nested or type(k) is _Complex for k in value):
+            keys = [self.resolve(k, depth + 1) for k in value]
+            try:
+                self.spread(keys, "dict")
+                return dict(zip(keys, (self.resolve(v, depth + 1) for v in value.values())))
+            except TypeError as e:      # a set as a key
+                raise self.damaged(f"a dict key that cannot be a key ({e})") from None
+        for k, v in value.items():
+            if type(v) in _CONTAINER_KINDS:
+                value[k] = self.resolve(v, depth + 1)
+        return value
+
+    def _resolve_items(self, value, kind: type, depth: int):
+        """A list, or a tuple or set (_Nested), with its items resolved."""
         items = value
         if kind is _Nested:
             items = self.unpack(value.payload, self.ext_hook)

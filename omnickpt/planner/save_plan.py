@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omnickpt.errors import PlanError
-from omnickpt.format.manifest import overlap_problem
-from omnickpt.layout import Box
+from omnickpt.layout import Box, overlap_problem
 
 ALIGN = 64
 
