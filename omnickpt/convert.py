@@ -4,7 +4,7 @@
     convert("ckpt/global_step_100", "hf/step100", to="hf", key="model", dtype="bfloat16")
     convert("hf/llama", "ckpt/llama", to="omnickpt")          # any format omnickpt reads, into ours
 
-`to="hf"` and `to="dcp"` hand over to the exporters of omnickpt/formats/. `to="omnickpt"` is
+`to="hf"` and `to="dcp"` hand over to the exporters of omnickpt/export/. `to="omnickpt"` is
 here: it streams the source through a CheckpointReader into a new omnickpt checkpoint, part by
 part, so that memory holds one part (at most `max_shard_size` bytes, default PART_BYTES), not
 the whole checkpoint. The public save path cannot do that: `save()` snapshots the whole state
@@ -26,7 +26,6 @@ What a conversion must not do silently (issue 17):
 from __future__ import annotations
 
 import ast
-import importlib
 import math
 import os
 import posixpath
@@ -43,6 +42,8 @@ import torch
 from omnickpt.engine.save import tensor_bytes_view
 from omnickpt.format import DATA_DIR
 from omnickpt.errors import CheckpointError, UnsupportedError
+from omnickpt.export import export_dcp, export_hf
+from omnickpt.export.destination import refuse_occupied
 from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, Sums, TensorEntry
 from omnickpt.format import checksum, dtype_from_name, dtype_name
 from omnickpt.format.cast import CastLosses, keeps_dtype
@@ -135,14 +136,14 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     Returns a summary dict (at least "to" and "path"; to="hf" adds "key" and "entry", the state entry it
     exported in words, e.g. "the top-level tensors of the state"; "lossy": the tensors the source holds lossy,
     quantized, with their scheme and largest error; "lossy_casts": {tensor: {"overflow", "flush"}}).
-    Raises UnsupportedError for an option the target does not take or an exporter that is not
-    available, CheckpointError when `dst` is not empty or overlaps `src`, and what reading the source
+    Raises UnsupportedError for an option the target does not take, CheckpointError when `dst` is not
+    empty or overlaps `src`, and what reading the source
     raises (NotCommittedError, CorruptCheckpointError, ...).
     """
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r}; use one of {', '.join(TARGETS)}")
     refuse_nested(str(src), str(dst))
-    _refuse_non_empty(storage_for(str(dst)), str(dst))
+    _refuse_non_empty(storage_for(str(dst)))
     cast = as_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
         raise ValueError(f"dtype {cast} is not a floating-point type; only floating-point tensors are cast")
@@ -155,7 +156,6 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         for transform in transforms:   # the lossy records under the names the export writes (dcp takes none)
             source = transform.apply(source)
         lossy = dict(source.quantized)
-        export_hf = _exporter("omnickpt.formats.hf", "export_hf", "Hugging Face")
         losses = CastLosses(allow_lossy_cast)   # the export casts each tensor through it as it writes it
         result = export_hf(str(src), str(dst), key=key, dtype=cast, max_shard_size=size or HF_SHARD_BYTES,
                            transforms=tuple(transforms), workers=workers, progress=progress, losses=losses)
@@ -170,7 +170,6 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
             raise UnsupportedError(f"convert to dcp takes no {', '.join(given)}: PyTorch DCP stores the checkpoint's "
                                    "tensors as they are (convert to omnickpt first to select, cast or transform)")
         lossy = dict(source.quantized)
-        export_dcp = _exporter("omnickpt.formats.dcp", "export_dcp", "PyTorch DCP")
         result = export_dcp(str(src), str(dst), progress=progress)
     else:
         result = to_omnickpt(str(src), str(dst), key=key, dtype=cast, part_bytes=size or PART_BYTES,
@@ -183,18 +182,6 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         # hf and dcp have nowhere to record it: the summary is the one place that still says so
         result.setdefault("lossy", lossy)
     return result
-
-
-def _exporter(module: str, name: str, what: str):
-    try:
-        found = getattr(importlib.import_module(module), name, None)
-    except ImportError as e:
-        raise UnsupportedError(f"converting to {what} needs {module}.{name}, which could not be imported ({e}); "
-                               "install the optional dependencies (pip install 'omnickpt[hf]') or upgrade "
-                               "omnickpt") from None
-    if found is None:
-        raise UnsupportedError(f"converting to {what} needs {module}.{name}, which this omnickpt does not have yet")
-    return found
 
 
 def location(path: str) -> tuple[str, ...]:
@@ -246,10 +233,11 @@ def _refuse_in_bases(src: str, dst: str, manifest: Manifest) -> None:
                                   f"source {src} references; its retention would delete it: pass a folder outside")
 
 
-def _refuse_non_empty(storage: Storage, dst: str) -> None:
-    if storage.exists("") and storage.list(""):
-        raise CheckpointError(f"{storage.describe()} is not empty; a conversion never writes over existing files: "
-                              "choose a new directory (or remove this one)")
+def _refuse_non_empty(storage: Storage) -> None:
+    """CheckpointError naming what the destination holds, when it holds anything (any storage, not only a
+    local folder: the check every exporter makes, omnickpt.export.destination.refuse_occupied)."""
+    if storage.exists(""):
+        refuse_occupied(storage.describe(), storage.list(""), why="a conversion never writes over existing files")
 
 
 # ---------------------------------------------------------------------- into omnickpt, streamed
@@ -306,7 +294,7 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
     t_start = time.perf_counter()
     refuse_nested(src, dst)
     storage = storage_for(dst)
-    _refuse_non_empty(storage, dst)
+    _refuse_non_empty(storage)
     timer = PhaseTimer()
     written: list[str] = []
     losses = CastLosses(allow_lossy_cast)

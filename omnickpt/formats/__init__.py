@@ -7,10 +7,14 @@ same code for every format. A reader never executes code from the checkpoint.
 Foreign manifests name tensors as ours do, `<state key>/<name inside it>`, with the key the
 foreign format implies (`model` for a Hugging Face folder; the top-level keys of the state dict
 DCP saved); `bind_keys` renames them to the keys of the state being loaded when those differ.
+
+This package holds readers only (`hf.py`; `dcp/`, one module per idea), tried in the static order of
+`READERS`; writing those formats is omnickpt.export's, a layer above that reads through the checkpoint reader.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 from omnickpt.errors import CheckpointError, NotCommittedError
@@ -20,25 +24,41 @@ from omnickpt.steps import STEP_DIR, committed_steps, step_dir
 from omnickpt.storage import Storage
 
 
-# (format name, reader): a reader returns None when the folder is not in its format, and raises
-# CorruptCheckpointError / UnsafeCheckpointError when it is but cannot be trusted.
-_READERS: list[tuple[str, str]] = [("hf", "omnickpt.formats.hf"), ("dcp", "omnickpt.formats.dcp")]
+@dataclass(frozen=True)
+class ForeignReader:
+    """One reader of a foreign format. `read` returns None when the folder is not in its format, and raises
+    CorruptCheckpointError / UnsafeCheckpointError when it is but cannot be trusted. `read` is None when the
+    reader cannot run here: `missing` then names the module it needs (shown when no reader recognises a folder)."""
+    name: str                                          # layout["format"] of what it reads
+    read: Callable[[Storage], Manifest | None] | None
+    missing: str = ""
 
 
-def _reader(module: str) -> Callable[[Storage], Manifest | None]:
-    import importlib
-    return importlib.import_module(module).read_manifest
+def _unavailable(name: str, err: ImportError) -> ForeignReader:
+    return ForeignReader(name, None, err.name or str(err))
+
+
+# The readers, tried in this order after our own manifest.json (exporters live above, in omnickpt.export).
+try:
+    from omnickpt.formats import hf as _hf
+    _HF = ForeignReader("hf", _hf.read_manifest)
+except ImportError as e:   # an optional dependency missing: named in the "not a checkpoint" error
+    _HF = _unavailable("hf", e)
+try:
+    from omnickpt.formats import dcp as _dcp
+    _DCP = ForeignReader("dcp", _dcp.read_manifest)
+except ImportError as e:
+    _DCP = _unavailable("dcp", e)
+READERS: tuple[ForeignReader, ...] = (_HF, _DCP)
 
 
 def read_foreign(storage: Storage) -> Manifest | None:
     """The manifest of the foreign checkpoint at `storage`, or None when no reader recognises it.
     `manifest.layout["format"]` names the format."""
-    for _, module in _READERS:
-        try:
-            read = _reader(module)
-        except ImportError:   # a reader not built yet, or its optional dependency missing
+    for reader in READERS:
+        if reader.read is None:
             continue
-        manifest = read(storage)
+        manifest = reader.read(storage)
         if manifest is not None:
             return manifest
     return None
@@ -80,8 +100,6 @@ def read_manifest(storage: Storage, raw: bytes | None = None) -> Manifest:
     return Manifest.decode(raw, where=storage.describe(MANIFEST_NAME))
 
 
-
-
 def _found(storage: Storage) -> str:
     """What a folder that is no checkpoint of any format we read holds, for the error message."""
     try:
@@ -91,7 +109,13 @@ def _found(storage: Storage) -> str:
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     return (f"; found {shown or 'nothing'}, none of which is a checkpoint this omnickpt reads: an omnickpt "
             f"{MANIFEST_NAME}, a Hugging Face model.safetensors (or model-*-of-*.safetensors with "
-            "model.safetensors.index.json), or a PyTorch DCP .metadata")
+            "model.safetensors.index.json), or a PyTorch DCP .metadata" + _missing_readers())
+
+
+def _missing_readers() -> str:
+    """Which readers could not run here, and the module each needs."""
+    gone = [f"the {r.name} reader needs {r.missing}, which could not be imported" for r in READERS if r.read is None]
+    return f" ({'; '.join(gone)}: install it to read that format)" if gone else ""
 
 
 def _step_hint(storage: Storage) -> str:
@@ -108,4 +132,4 @@ def _step_hint(storage: Storage) -> str:
             f"them, e.g. {root}/{step_dir(steps[-1])}, or use CheckpointManager({root!r}).load_latest(state)")
 
 
-__all__ = ["STEP_DIR", "bind_keys", "committed_steps", "read_foreign", "read_manifest"]
+__all__ = ["READERS", "STEP_DIR", "ForeignReader", "bind_keys", "committed_steps", "read_foreign", "read_manifest"]

@@ -1,0 +1,15 @@
+"""Exporters: a checkpoint of any format omnickpt reads, written in another format. They sit above the
+readers (omnickpt.formats: readers only) and read their source through the checkpoint reader
+(omnickpt.reader.CheckpointReader); omnickpt.convert calls them.
+
+- `hf.py`: `export_hf`, a Hugging Face safetensors folder (one state entry: a model's weights);
+- `dcp.py`: `export_dcp`, a PyTorch DCP folder that `dcp.load` reads at any world size;
+- `destination.py`: what every writer checks before writing (local, not the source, nothing it would
+  write over) and how a failed export leaves the destination as it found it.
+"""
+from __future__ import annotations
+
+from omnickpt.export.dcp import export_dcp
+from omnickpt.export.hf import export_hf
+
+__all__ = ["export_dcp", "export_hf"]
