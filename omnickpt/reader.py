@@ -21,6 +21,7 @@ import difflib
 import math
 import operator
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -197,13 +198,15 @@ class CheckpointReader:
         self._verify = verify
         self._allow_pickle = allow_pickle
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()   # exporters call read_into from several threads at once
         self._timer = PhaseTimer()
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -214,9 +217,10 @@ class CheckpointReader:
     def _executor(self) -> ThreadPoolExecutor | None:
         if self._workers == 1:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="omnickpt-reader")
-        return self._pool
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="omnickpt-reader")
+            return self._pool
 
     # ------------------------------------------------------------------ what is there
     @property
