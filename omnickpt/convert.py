@@ -144,37 +144,66 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         raise ValueError(f"unknown target format {to!r}; use one of {', '.join(TARGETS)}")
     refuse_nested(str(src), str(dst))
     _refuse_non_empty(storage_for(str(dst)))
-    cast = as_dtype(dtype)
-    if cast is not None and not cast.is_floating_point:
-        raise ValueError(f"dtype {cast} is not a floating-point type; only floating-point tensors are cast")
+    cast = _float_dtype(dtype)
     size = parse_size(max_shard_size) if max_shard_size is not None else None
-    lossy: dict[str, dict] = {}
-    if to != "omnickpt":   # to_omnickpt checks these with the manifest its reader holds
-        source = read_manifest(storage_for(str(src)))
-        _refuse_in_bases(str(src), str(dst), source)
-    if to == "hf":
-        for transform in transforms:   # the lossy records under the names the export writes (dcp takes none)
-            source = transform.apply(source)
-        lossy = dict(source.quantized)
-        losses = CastLosses(allow_lossy_cast)   # the export casts each tensor through it as it writes it
-        result = export_hf(str(src), str(dst), key=key, dtype=cast, max_shard_size=size or HF_SHARD_BYTES,
-                           transforms=tuple(transforms), workers=workers, progress=progress, losses=losses)
-        # the records of the entry exported ("entry" says which in words); key "" is the top-level tensors
-        lossy = {n: r for n, r in lossy.items() if (n.split("/", 1)[0] if "/" in n else "") == result["key"]}
-        if losses.counts:
-            result = dict(result, lossy_casts=losses.counts)
-    elif to == "dcp":
-        given = [n for n, v in (("key", key), ("dtype", cast), ("max_shard_size", size),
-                                ("transforms", tuple(transforms))) if v]
-        if given:
-            raise UnsupportedError(f"convert to dcp takes no {', '.join(given)}: PyTorch DCP stores the checkpoint's "
-                                   "tensors as they are (convert to omnickpt first to select, cast or transform)")
-        lossy = dict(source.quantized)
-        result = export_dcp(str(src), str(dst), progress=progress)
-    else:
+    if to == "omnickpt":   # to_omnickpt keeps the lossy records in the checkpoint it writes
         result = to_omnickpt(str(src), str(dst), key=key, dtype=cast, part_bytes=size or PART_BYTES,
                              transforms=transforms, progress=progress, workers=workers,
                              allow_lossy_cast=allow_lossy_cast)
+        return _summary(result, to, dst, {})
+    # checked here for the exporters; to_omnickpt checks these with the manifest its reader holds
+    source = read_manifest(storage_for(str(src)))
+    _refuse_in_bases(str(src), str(dst), source)
+    if to == "hf":
+        result, lossy = _convert_hf(str(src), str(dst), source, key=key, dtype=cast, size=size,
+                                    transforms=transforms, progress=progress, workers=workers,
+                                    allow_lossy_cast=allow_lossy_cast)
+    else:
+        result, lossy = _convert_dcp(str(src), str(dst), source, key=key, dtype=cast, size=size,
+                                     transforms=transforms, progress=progress)
+    return _summary(result, to, dst, lossy)
+
+
+def _float_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` as a torch dtype (None: no cast); ValueError unless it is a floating-point one."""
+    cast = as_dtype(dtype)
+    if cast is not None and not cast.is_floating_point:
+        raise ValueError(f"dtype {cast} is not a floating-point type; only floating-point tensors are cast")
+    return cast
+
+
+def _convert_hf(src: str, dst: str, source: Manifest, *, key: str | None, dtype: torch.dtype | None,
+                size: int | None, transforms: Sequence[Any], progress: bool, workers: int,
+                allow_lossy_cast: bool) -> tuple[dict, dict[str, dict]]:
+    """convert(to="hf"): (export_hf's summary, with "lossy_casts" when a cast lost values; the lossy records
+    of the entry it exported, under the names it wrote them)."""
+    for transform in transforms:   # the lossy records under the names the export writes
+        source = transform.apply(source)
+    lossy = dict(source.quantized)
+    losses = CastLosses(allow_lossy_cast)   # the export casts each tensor through it as it writes it
+    result = export_hf(src, dst, key=key, dtype=dtype, max_shard_size=size or HF_SHARD_BYTES,
+                       transforms=tuple(transforms), workers=workers, progress=progress, losses=losses)
+    # the records of the entry exported ("entry" says which in words); key "" is the top-level tensors
+    lossy = {n: r for n, r in lossy.items() if (n.split("/", 1)[0] if "/" in n else "") == result["key"]}
+    if losses.counts:
+        result = dict(result, lossy_casts=losses.counts)
+    return result, lossy
+
+
+def _convert_dcp(src: str, dst: str, source: Manifest, *, key: str | None, dtype: torch.dtype | None,
+                 size: int | None, transforms: Sequence[Any], progress: bool) -> tuple[dict, dict[str, dict]]:
+    """convert(to="dcp"): (export_dcp's summary, the source's lossy records). UnsupportedError for an option
+    given, as DCP takes none of them."""
+    given = [n for n, v in (("key", key), ("dtype", dtype), ("max_shard_size", size),
+                            ("transforms", tuple(transforms))) if v]
+    if given:
+        raise UnsupportedError(f"convert to dcp takes no {', '.join(given)}: PyTorch DCP stores the checkpoint's "
+                               "tensors as they are (convert to omnickpt first to select, cast or transform)")
+    return export_dcp(src, dst, progress=progress), dict(source.quantized)
+
+
+def _summary(result: dict | None, to: str, dst: str, lossy: dict[str, dict]) -> dict:
+    """convert's summary: the target's own, with at least "to" and "path", and "lossy" when the source held any."""
     result = dict(result or {})
     result.setdefault("to", to)
     result.setdefault("path", str(dst))
@@ -288,9 +317,6 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
     decoded, so pickled values pass through unopened); the manifest written last, atomically. A
     tensor the source holds quantized keeps that record (see the module docstring). On any failure
     the data files written so far are removed and nothing is committed."""
-    from tqdm.auto import tqdm
-
-    from omnickpt.version import __version__
     t_start = time.perf_counter()
     refuse_nested(src, dst)
     storage = storage_for(dst)
@@ -302,87 +328,151 @@ def to_omnickpt(src: str, dst: str, *, key: str | None = None, dtype: torch.dtyp
             ThreadPoolExecutor(max(1, workers), thread_name_prefix="omnickpt-convert") as pool:
         source = reader.manifest
         _refuse_in_bases(src, dst, source)   # transforms rewrite tensors, never files
-        names = _selected(reader.names(), key)
-        object_keys = _selected(reader.object_keys(), key)
-        if key is not None and not names and not object_keys:
-            raise CheckpointError(f"{reader.location} holds no tensor or object under key {key!r}; its keys are "
-                                  f"{sorted({n.split('/', 1)[0] for n in reader.names() + reader.object_keys()})}")
+        names, object_keys = _selected_entries(reader, key)
         out_dtype = {n: _target_dtype(n, source.tensors[n], dtype) for n in names}
         lossy = _lossy_records(source, names)
-        for n in lossy:
-            if dtype_name(out_dtype[n]) not in QUANT_DTYPES:
-                raise UnsupportedError(f"{n} is a lossy (quantized) copy and the omnickpt format records that only "
-                                       f"for tensors of {', '.join(QUANT_DTYPES)}, not {dtype_name(out_dtype[n])}; "
-                                       "cast to one of those, or leave this tensor out with key=")
+        _refuse_unrecorded_lossy(lossy, out_dtype)
         # per lossy tensor cast to another dtype: the largest |x' - cast(x')|, added to its recorded error
         cast_error = {n: 0.0 for n in lossy if out_dtype[n] != dtype_from_name(source.tensors[n].dtype)}
-        pieces: list[_Piece] = []
-        for n in names:
-            entry = source.tensors[n]
-            sizes = (dtype_from_name(entry.dtype).itemsize, out_dtype[n].itemsize)
-            # both the source slab and the cast result of one piece stay within a part
-            for box in slab_boxes(entry.shape, max(1, part_bytes // max(sizes))):
-                pieces.append(_Piece(n, box.numel * sizes[1], box=box))
-        for k in object_keys:
-            for e in source.objects[k]:
-                pieces.append(_Piece(k, len(e.inline) if e.inline is not None else e.nbytes, entry=e))
+        pieces = _pieces(source, names, object_keys, out_dtype, part_bytes)
         parts = plan_parts(pieces, part_bytes)
         save_id = uuid.uuid4().hex[:16]
         files: list[FileEntry] = []
         tensors = {n: TensorEntry(tuple(source.tensors[n].shape), dtype_name(out_dtype[n]), []) for n in names}
         objects: dict[str, list[ObjectEntry]] = {}
-        bar = tqdm(total=sum(p.nbytes for p in pieces), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc="convert to omnickpt", disable=not progress, leave=False)
+        bar = _progress_bar(sum(p.nbytes for p in pieces), progress)
         try:
             for i, part in enumerate(parts):
                 rel = f"{DATA_DIR}/{save_id}-p{i:05d}.bin"
                 sums = _write_part(reader, storage, rel, part, out_dtype, pool, timer, bar, written, losses,
                                    cast_error)
                 files.append(FileEntry(rel, 0, part.size))
-                for (piece, offset), crcs in zip(part.pieces, sums):
-                    if piece.box is not None:
-                        tensors[piece.name].boxes.append(_stored_box(piece, i, offset, crcs, out_dtype[piece.name],
-                                                                     lossy.get(piece.name), bool(lossy)))
-                    else:
-                        objects.setdefault(piece.name, []).append(
-                            ObjectEntry(list(piece.entry.ranks), i, offset, piece.nbytes, crcs[0]))
-            for n, err in cast_error.items():
-                # a bound of |x - cast(x')| for the original x, no longer a measurement (finite: JSON)
-                lossy[n]["max_error"] = min(lossy[n]["max_error"] + err, sys.float_info.max)
-            layout = {k: v for k, v in source.layout.items() if k != "format"}
-            layout.setdefault("world_size", source.world_size)
-            layout["converted_from"] = {"format": reader.format, "path": reader.location}
-            if dtype is not None:
-                layout["converted_from"]["dtype"] = dtype_name(dtype)
-            if losses.counts:
-                layout["converted_from"]["lossy_casts"] = losses.counts
-            # A lossy tensor keeps its codec record; the chunked layout ("none": every chunk raw) is
-            # what lets a manifest carry one (format.md, "Quantized tensors").
-            manifest = Manifest(save_id=save_id, world_size=source.world_size, files=files, tensors=tensors,
-                                objects=objects, layout=layout, tool_version=__version__, created=time.time(),
-                                chunk_bytes=CHUNK_BYTES, compression="none" if lossy else None, quantized=lossy)
+                _record_part(part, i, sums, tensors, objects, out_dtype, lossy)
+            _add_cast_error(lossy, cast_error)
+            layout = _converted_layout(source, reader, dtype, losses)
+            manifest = _new_manifest(save_id, source.world_size, files, tensors, objects, layout, lossy)
             with timer.phase("commit"):
                 storage.commit(MANIFEST_NAME, manifest.encode())
         except BaseException:
-            for rel in written:
-                try:
-                    storage.delete(rel)
-                except Exception:   # the storage may be what failed; the original error matters more
-                    pass
+            _remove_files(storage, written)
             raise
         finally:
             bar.close()
     seconds = time.perf_counter() - t_start
+    _write_report(storage, timer, seconds, save_id, reader.location)
+    return {"to": "omnickpt", "path": storage.describe(), "source": reader.location, "source_format": reader.format,
+            "save_id": save_id, "tensors": len(tensors), "objects": sum(len(v) for v in objects.values()),
+            "files": len(files), "bytes": sum(f.bytes for f in files), "seconds": seconds} | _losses(lossy, losses)
+
+
+def _selected_entries(reader: CheckpointReader, key: str | None) -> tuple[list[str], list[str]]:
+    """(tensor names, object keys) of `reader`'s checkpoint that to_omnickpt copies: all, or those of `key`.
+    CheckpointError naming the keys there are when `key` selects nothing."""
+    names = _selected(reader.names(), key)
+    object_keys = _selected(reader.object_keys(), key)
+    if key is not None and not names and not object_keys:
+        raise CheckpointError(f"{reader.location} holds no tensor or object under key {key!r}; its keys are "
+                              f"{sorted({n.split('/', 1)[0] for n in reader.names() + reader.object_keys()})}")
+    return names, object_keys
+
+
+def _refuse_unrecorded_lossy(lossy: dict[str, dict], out_dtype: dict[str, torch.dtype]) -> None:
+    """UnsupportedError for a lossy tensor written as a dtype whose quantized record the format cannot hold:
+    writing it without the record would pass a lossy copy off as exact."""
+    for n in lossy:
+        if dtype_name(out_dtype[n]) not in QUANT_DTYPES:
+            raise UnsupportedError(f"{n} is a lossy (quantized) copy and the omnickpt format records that only "
+                                   f"for tensors of {', '.join(QUANT_DTYPES)}, not {dtype_name(out_dtype[n])}; "
+                                   "cast to one of those, or leave this tensor out with key=")
+
+
+def _pieces(source: Manifest, names: Sequence[str], object_keys: Sequence[str], out_dtype: dict[str, torch.dtype],
+            part_bytes: int) -> list[_Piece]:
+    """What to_omnickpt stores, in order: each tensor in slabs that fit a part, then each object value."""
+    pieces: list[_Piece] = []
+    for n in names:
+        entry = source.tensors[n]
+        sizes = (dtype_from_name(entry.dtype).itemsize, out_dtype[n].itemsize)
+        # both the source slab and the cast result of one piece stay within a part
+        for box in slab_boxes(entry.shape, max(1, part_bytes // max(sizes))):
+            pieces.append(_Piece(n, box.numel * sizes[1], box=box))
+    for k in object_keys:
+        for e in source.objects[k]:
+            pieces.append(_Piece(k, len(e.inline) if e.inline is not None else e.nbytes, entry=e))
+    return pieces
+
+
+def _progress_bar(total: int, progress: bool):
+    """to_omnickpt's byte progress bar on stderr (disabled, but still a bar to update, without `progress`)."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert to omnickpt",
+                disable=not progress, leave=False)
+
+
+def _record_part(part: _Part, file: int, sums: list[list[int]], tensors: dict[str, TensorEntry],
+                 objects: dict[str, list[ObjectEntry]], out_dtype: dict[str, torch.dtype],
+                 lossy: dict[str, dict]) -> None:
+    """Add the manifest records of the pieces of data file number `file`, written with chunk CRCs `sums`."""
+    for (piece, offset), crcs in zip(part.pieces, sums):
+        if piece.box is not None:
+            tensors[piece.name].boxes.append(_stored_box(piece, file, offset, crcs, out_dtype[piece.name],
+                                                         lossy.get(piece.name), bool(lossy)))
+        else:
+            objects.setdefault(piece.name, []).append(
+                ObjectEntry(list(piece.entry.ranks), file, offset, piece.nbytes, crcs[0]))
+
+
+def _add_cast_error(lossy: dict[str, dict], cast_error: dict[str, float]) -> None:
+    for n, err in cast_error.items():
+        # a bound of |x - cast(x')| for the original x, no longer a measurement (finite: JSON)
+        lossy[n]["max_error"] = min(lossy[n]["max_error"] + err, sys.float_info.max)
+
+
+def _converted_layout(source: Manifest, reader: CheckpointReader, dtype: torch.dtype | None,
+                      losses: CastLosses) -> dict:
+    """The new manifest's layout: the source's (its format is ours now), with where it came from and how."""
+    layout = {k: v for k, v in source.layout.items() if k != "format"}
+    layout.setdefault("world_size", source.world_size)
+    layout["converted_from"] = {"format": reader.format, "path": reader.location}
+    if dtype is not None:
+        layout["converted_from"]["dtype"] = dtype_name(dtype)
+    if losses.counts:
+        layout["converted_from"]["lossy_casts"] = losses.counts
+    return layout
+
+
+def _new_manifest(save_id: str, world_size: int, files: list[FileEntry], tensors: dict[str, TensorEntry],
+                  objects: dict[str, list[ObjectEntry]], layout: dict, lossy: dict[str, dict]) -> Manifest:
+    from omnickpt.version import __version__
+    # A lossy tensor keeps its codec record; the chunked layout ("none": every chunk raw) is
+    # what lets a manifest carry one (format.md, "Quantized tensors").
+    return Manifest(save_id=save_id, world_size=world_size, files=files, tensors=tensors,
+                    objects=objects, layout=layout, tool_version=__version__, created=time.time(),
+                    chunk_bytes=CHUNK_BYTES, compression="none" if lossy else None, quantized=lossy)
+
+
+def _remove_files(storage: Storage, written: Sequence[str]) -> None:
+    """Delete what a failed conversion wrote, as far as the storage lets us."""
+    for rel in written:
+        try:
+            storage.delete(rel)
+        except Exception:   # the storage may be what failed; the original error matters more
+            pass
+
+
+def _write_report(storage: Storage, timer: PhaseTimer, seconds: float, save_id: str, source: str) -> None:
+    """Write the conversion's report.json beside the committed checkpoint, if the storage lets us."""
     report = summarize("save", [timer.as_dict()], total_seconds=seconds)
-    report.update(kind="convert", path=storage.describe(), save_id=save_id, source=reader.location)
+    report.update(kind="convert", path=storage.describe(), save_id=save_id, source=source)
     try:
         storage.commit("report.json", _json(report))
     except CheckpointError:
         pass   # informational; the checkpoint is committed
-    return {"to": "omnickpt", "path": storage.describe(), "source": reader.location, "source_format": reader.format,
-            "save_id": save_id, "tensors": len(tensors), "objects": sum(len(v) for v in objects.values()),
-            "files": len(files), "bytes": sum(f.bytes for f in files), "seconds": seconds} | (
-        {"lossy": lossy} if lossy else {}) | ({"lossy_casts": losses.counts} if losses.counts else {})
+
+
+def _losses(lossy: dict[str, dict], losses: CastLosses) -> dict:
+    """to_omnickpt's summary entries for what is lossy: "lossy" records and "lossy_casts" counts, where any."""
+    return ({"lossy": lossy} if lossy else {}) | ({"lossy_casts": losses.counts} if losses.counts else {})
 
 
 def _lossy_records(source: Manifest, names: Sequence[str]) -> dict[str, dict]:

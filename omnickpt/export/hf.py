@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -65,10 +66,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     write that fails (a full disk, a read-only file system) raises StorageError naming the file.
     """
     t0 = time.perf_counter()
-    if dtype is not None and not dtype.is_floating_point:
-        raise UnsupportedError(f"export dtype {dtype} is not a floating-point dtype; pass e.g. torch.bfloat16")
-    if max_shard_size < 1:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    _check_export_options(dtype, max_shard_size)
     dest = Destination(src, dst)
     with CheckpointReader(str(src), transforms=transforms, workers=workers) as reader:
         manifest = reader.manifest
@@ -76,15 +74,13 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
         exported = _describe_entry(manifest, key)
         log.info("omnickpt: exporting %s of %s to %s", exported, src, dst)
         entries = {n: (full, manifest.tensors[full]) for n, full in _entry_tensors(manifest, key).items()}
-        config = (manifest.layout.get("metadata") or {}).get("config")
-        config = dict(config) if isinstance(config, dict) else None
+        config = _saved_config(manifest)
         dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
         out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype)
         # Plan every read before writing anything: a tensor the checkpoint does not fully hold fails now.
         plan_reads(manifest, [(full, Box.full(shape)) for _, full, _, _, shape in out])
         shards = _shard_plan([(name, math.prod(shape) * w.itemsize) for name, _, _, w, shape in out], max_shard_size)
-        files = ([SINGLE_FILE] if len(shards) == 1 else
-                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+        files = _shard_files(len(shards))
         # Only a model's files clash: a folder may hold a tokenizer beside the weights.
         dest.refuse_occupied(lambda n: n.endswith((".safetensors", INDEX_SUFFIX)),
                              why="stale shards beside new ones would be read as one model")
@@ -92,17 +88,50 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
         with dest:
             _write_model(reader, dest, files, shards, out, workers, progress, total, losses, durable)
             if len(files) > 1:
-                index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(o[4]) for o in out)},
-                         "weight_map": {out[i][0]: files[k] for k, shard in enumerate(shards) for i in shard}}
-                _write_json(dest, INDEX_FILE, index, durable)
+                _write_index(dest, files, shards, out, total, durable)
             if config is not None:
-                if dtype is not None:   # transformers 5 reads "dtype", older versions "torch_dtype"
-                    config["dtype"] = str(dtype).removeprefix("torch.")
-                    if "torch_dtype" in config:
-                        config["torch_dtype"] = config["dtype"]
-                _write_json(dest, CONFIG_FILE, config, durable)
+                _write_config(dest, config, dtype, durable)
     return {"path": dest.path, "key": key, "entry": exported, "files": files, "tensors": len(out), "bytes": total,
             "seconds": time.perf_counter() - t0, "dropped": dropped, "config": config is not None}
+
+
+def _check_export_options(dtype: torch.dtype | None, max_shard_size: int) -> None:
+    """export_hf's refusals of its options, made before it opens the source."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise UnsupportedError(f"export dtype {dtype} is not a floating-point dtype; pass e.g. torch.bfloat16")
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+
+
+def _saved_config(manifest: Manifest) -> dict | None:
+    """A copy of the model config the checkpoint holds (layout["metadata"]["config"]), None when it holds none:
+    a copy, because the export updates its dtype."""
+    config = (manifest.layout.get("metadata") or {}).get("config")
+    return dict(config) if isinstance(config, dict) else None
+
+
+def _shard_files(count: int) -> list[str]:
+    """The safetensors file names of an export in `count` files, as save_pretrained names them."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def _write_index(dest: Destination, files: list[str], shards: list[list[int]], out, total: int,
+                 durable: bool) -> None:
+    """Write model.safetensors.index.json: which file holds each tensor, for an export in several files."""
+    index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(o[4]) for o in out)},
+             "weight_map": {out[i][0]: files[k] for k, shard in enumerate(shards) for i in shard}}
+    _write_json(dest, INDEX_FILE, index, durable)
+
+
+def _write_config(dest: Destination, config: dict, dtype: torch.dtype | None, durable: bool) -> None:
+    """Write config.json, its dtype updated when the export casts."""
+    if dtype is not None:   # transformers 5 reads "dtype", older versions "torch_dtype"
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in config:
+            config["torch_dtype"] = config["dtype"]
+    _write_json(dest, CONFIG_FILE, config, durable)
 
 
 def _outputs(entries: dict[str, tuple[str, TensorEntry]], dtype: torch.dtype | None
@@ -151,11 +180,34 @@ def _os_call(op: str, path: str, fn, *args):
         raise os_failure(f"{op} the Hugging Face export file", path, e, device=path, hint=FULL_DISK_HINT) from e
 
 
+@dataclass(frozen=True)
+class _Entries:
+    """The state entries of a checkpoint that hold tensors, by what they hold: export_hf's candidates for `key`."""
+    by_key: dict[str, list[str]]   # entry: its tensor names (TOP_LEVEL: the tensors saved at the top level)
+    optimizers: dict[str, str]     # entry holding an optimizer's state: why, in words
+    values: list[str]              # entries holding plain values' tensors, saved per rank
+    modules: list[str]             # the rest: a model's
+
+    @property
+    def shown(self) -> str:
+        """Every entry with tensors, for an error message."""
+        return ", ".join(_entry_label(k) for k in sorted(self.by_key)) or "none"
+
+
 def _module_key(manifest: Manifest, key: str | None, where: str) -> str:
     """The state entry whose tensors export_hf writes: `key` when given, else the only entry holding a model's
     tensors, else "model" (TOP_LEVEL for tensors saved at the top level of the state). An entry holding an
     optimizer's state is refused either way (UnsupportedError): its moments are no model's weights, and
     writing them under the parameters' names makes a folder that loads without complaint."""
+    entries = _entries(manifest)
+    if key is not None:
+        _check_chosen_key(entries, key, where)
+        return key
+    return _inferred_key(entries, where)
+
+
+def _entries(manifest: Manifest) -> _Entries:
+    """The manifest's state entries with tensors, sorted into optimizers', plain values' and modules'."""
     by_key: dict[str, list[str]] = {}
     for name in manifest.tensors:
         top, sep, _ = name.partition("/")
@@ -165,31 +217,39 @@ def _module_key(manifest: Manifest, key: str | None, where: str) -> str:
     values = sorted(k for k, names in by_key.items()
                     if k not in optimizers and all(parse_per_rank_name(n) is not None for n in names))
     modules = [k for k in sorted(by_key) if k not in optimizers and k not in values]
-    shown = ", ".join(_entry_label(k) for k in sorted(by_key)) or "none"
-    if key is not None:
-        if key not in by_key:
-            raise MismatchError(f"{where} holds no tensors under {key!r} (state entries with tensors: {shown}); "
-                                "pass key= one of them", [f"{key}: missing"])
-        if key in optimizers:
-            raise UnsupportedError(
-                f"{where}: {_entry_label(key)} holds an optimizer's state ({optimizers[key]}; tensors such as "
-                f"{by_key[key][0]!r}), not a model's weights, and a Hugging Face folder holds a model only: pass "
-                f"key= the model's entry ({', '.join(map(_entry_label, modules)) or 'this checkpoint has none'}); "
-                "to keep optimizer state, convert to omnickpt or dcp instead")
-        return key
+    return _Entries(by_key, optimizers, values, modules)
+
+
+def _check_chosen_key(entries: _Entries, key: str, where: str) -> None:
+    """MismatchError when the caller's `key` holds no tensors; UnsupportedError when it holds an optimizer's state."""
+    if key not in entries.by_key:
+        raise MismatchError(f"{where} holds no tensors under {key!r} (state entries with tensors: {entries.shown}); "
+                            "pass key= one of them", [f"{key}: missing"])
+    if key in entries.optimizers:
+        raise UnsupportedError(
+            f"{where}: {_entry_label(key)} holds an optimizer's state ({entries.optimizers[key]}; tensors such as "
+            f"{entries.by_key[key][0]!r}), not a model's weights, and a Hugging Face folder holds a model only: pass "
+            f"key= the model's entry ({', '.join(map(_entry_label, entries.modules)) or 'this checkpoint has none'}); "
+            "to keep optimizer state, convert to omnickpt or dcp instead")
+
+
+def _inferred_key(entries: _Entries, where: str) -> str:
+    """The model's entry when the caller named none: the only one, else "model"; an error saying why not."""
+    modules = entries.modules
     if len(modules) == 1:
         return modules[0]
     if "model" in modules:
         return "model"
-    if not modules and by_key:
-        held = "; ".join([f"{_entry_label(k)} holds an optimizer's state ({kind})" for k, kind in optimizers.items()]
-                         + [f"{_entry_label(k)} holds a plain value's tensors" for k in values])
+    if not modules and entries.by_key:
+        held = "; ".join([f"{_entry_label(k)} holds an optimizer's state ({kind})"
+                          for k, kind in entries.optimizers.items()]
+                         + [f"{_entry_label(k)} holds a plain value's tensors" for k in entries.values])
         raise UnsupportedError(
             f"{where}: no state entry holds a model's weights to export ({held}); a Hugging Face folder holds a "
             "model only. Save the model under a key of its own (omnickpt.save(path, {'model': model, ...})) and "
             "export that, or pass key= to export a plain value's tensors on purpose")
     raise MismatchError(f"{where}: which state entry is the model is ambiguous (entries with tensors: "
-                        f"{shown}); pass key=", [f"{k}: candidate" for k in modules])
+                        f"{entries.shown}); pass key=", [f"{k}: candidate" for k in modules])
 
 
 def _optimizer_kind(manifest: Manifest, key: str, names: list[str]) -> str | None:
