@@ -52,11 +52,11 @@ class CheckpointManager:
     job that died is taken over with a warning) and gives it back in close(). read_only=True takes
     no lease, for a process that only lists or loads (evaluation, inspection) while a job trains.
 
-    `memory="shm://JOB"` (or a tiered.MemoryTierOptions) returns a TieredCheckpointManager
-    (omnickpt/tiered.py: every save goes to host shared memory first, every `persist_every`-th
-    is copied to `root`); its options (memory_keep, persist_every, ranks_per_node, peer_replicas,
-    persist_on_failure, on_close, flush_timeout) are keywords of this call too, ignored without
-    `memory`.
+    The memory tier (every save to host shared memory first, every `persist_every`-th copied to
+    `root`) is built as `TieredCheckpointManager(root, memory="shm://JOB", ...)` (omnickpt/tiered.py).
+    `CheckpointManager(root, memory=...)` with the same arguments is equivalent: it returns that
+    TieredCheckpointManager. The tier's options (memory_keep, persist_every, ranks_per_node,
+    peer_replicas, persist_on_failure, on_close, flush_timeout) without `memory` are a TypeError.
 
     Every rank of the process group must create the manager (a collective with several ranks: one
     all-gather, so that a refused lease raises on every rank), save the same steps and call close()
@@ -78,13 +78,24 @@ class CheckpointManager:
                  every: int | str | None = None, max_overhead: float = 0.02, max_interval: int = 10_000,
                  incremental: bool = False, full_every: int | None = 10, block_bytes: int | None = None,
                  **memory_options):
-        # Memory options without `memory` were always accepted and ignored (call sites pass
-        # memory=None to turn the tier off); anything else is a typo.
+        # The memory tier's options (tiered.MemoryTierOptions' fields: this module cannot import it)
+        # reach here only without `memory` (with it, __new__ built the tiered manager). They used to
+        # be ignored, so a forgotten memory= silently ran without the tier: refused now.
         from_tier = {"memory_keep", "persist_every", "ranks_per_node", "peer_replicas", "persist_on_failure",
                      "on_close", "flush_timeout"}
         unknown = sorted(set(memory_options) - from_tier)
         if unknown:
             raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {unknown}")
+        if memory is not None:
+            # Only a subclass gets here with memory= (__new__ swaps in the tiered manager for this class
+            # alone): it would run without the tier it was given.
+            raise TypeError(f"{type(self).__name__}(memory={memory!r}): a subclass of CheckpointManager has no memory "
+                            "tier; subclass TieredCheckpointManager for one")
+        if memory_options:
+            given = ", ".join(f"{k}={v!r}" for k, v in sorted(memory_options.items()))
+            raise TypeError(f"CheckpointManager({str(root)!r}, {given}): {sorted(memory_options)} are options of the "
+                            "memory tier, which is off without memory=; pass memory='shm://JOB' with them (or build "
+                            "TieredCheckpointManager(root, memory='shm://JOB', ...)), or drop them")
         self._setup(root, keep_last, checkpointer, process_group, read_only, on_error,
                     cadence_of(every, max_overhead, max_interval))
         if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int)

@@ -1,4 +1,4 @@
-"""The memory tier behind CheckpointManager(memory="shm://JOB"): where each node keeps its
+"""The memory tier behind TieredCheckpointManager(root, memory="shm://JOB"): where each node keeps its
 in-memory checkpoints and its peer's replicas, how they are found complete after a crash, sent to
 and restored from a peer, and copied to durable storage under one global manifest.
 

@@ -362,9 +362,8 @@ def test_memory_options_as_a_dataclass_or_keywords_build_the_tiered_manager(job,
     # The keywords of CheckpointManager(root, memory=...) build the same options.
     with _manager(tmp_path / "b", job, memory_keep=2, persist_every=2, persist_on_failure=False) as mgr:
         assert type(mgr) is TieredCheckpointManager and mgr.options == options
-    plain = omnickpt.CheckpointManager(str(tmp_path / "c"), memory=None, memory_keep=2)   # no memory: ignored
-    assert type(plain) is omnickpt.CheckpointManager and plain.memory_steps() == []
-    plain.close()
+    with pytest.raises(TypeError, match="memory_keep"):   # no memory: refused (tests/test_handles.py)
+        omnickpt.CheckpointManager(str(tmp_path / "c"), memory=None, memory_keep=2)
     with pytest.raises(TypeError, match="memory_kep"):
         omnickpt.CheckpointManager(str(tmp_path / "d"), memory_kep=2)
 
