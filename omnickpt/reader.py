@@ -119,42 +119,58 @@ def _as_box(spec: Any, shape: tuple[int, ...], name: str) -> tuple[Box, tuple[in
     if isinstance(spec, Box):
         box = spec
     elif _is_index(spec, name):
-        index = spec if isinstance(spec, tuple) else (spec,)
-        if sum(s is Ellipsis for s in index) > 1:
-            raise ValueError(f"tensor {name!r}: an index can have only one '...', got {spec!r}")
-        if Ellipsis in index:
-            at = next(i for i, s in enumerate(index) if s is Ellipsis)
-            index = index[:at] + (slice(None),) * max(0, len(shape) - len(index) + 1) + index[at + 1:]
-        if len(index) > len(shape):
-            raise ValueError(f"tensor {name!r} has {len(shape)} dimension(s); the index {spec!r} has {len(index)}")
-        offsets, lengths, drop = [], [], []
-        for d, (s, n) in enumerate(zip(index + (slice(None),) * (len(shape) - len(index)), shape)):
-            if not isinstance(s, slice):
-                i = _index_int(s, name)
-                i = i + n if i < 0 else i
-                if not 0 <= i < n:
-                    raise ValueError(f"index {s} is out of range for dimension {d} of tensor {name!r} (size {n})")
-                offsets.append(i)
-                lengths.append(1)
-                drop.append(d)
-                continue
-            start, stop, step = s.indices(n)
-            if step != 1:
-                raise ValueError(f"tensor {name!r}: only slices with step 1 select a box, got {s}")
-            offsets.append(start)
-            lengths.append(max(0, stop - start))
-        return Box(tuple(offsets), tuple(lengths)), tuple(drop)
+        return _index_box(spec, shape, name)
     else:
-        try:
-            offsets, lengths = spec
-            box = Box(tuple(_box_int(o, name) for o in offsets), tuple(_box_int(n, name) for n in lengths))
-        except (TypeError, ValueError):
-            raise ValueError(f"tensor {name!r}: a box is a Box, (offsets, lengths) or a tuple of slices, "
-                             f"got {spec!r:.80}") from None
+        box = _pair_box(spec, name)
     if box.ndim != len(shape) or not box.within(shape):
         raise ValueError(f"box offsets={list(box.offsets)} lengths={list(box.lengths)} does not fit in tensor "
                          f"{name!r} of shape {list(shape)}")
     return box, ()
+
+
+def _index_box(spec: Any, shape: tuple[int, ...], name: str) -> tuple[Box, tuple[int, ...]]:
+    """`_as_box` of a tensor[...] index: integers, slices with step 1, at most one `...`."""
+    index = _full_index(spec, shape, name)
+    offsets, lengths, drop = [], [], []
+    for d, (s, n) in enumerate(zip(index, shape)):
+        if not isinstance(s, slice):
+            i = _index_int(s, name)
+            i = i + n if i < 0 else i
+            if not 0 <= i < n:
+                raise ValueError(f"index {s} is out of range for dimension {d} of tensor {name!r} (size {n})")
+            offsets.append(i)
+            lengths.append(1)
+            drop.append(d)
+            continue
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"tensor {name!r}: only slices with step 1 select a box, got {s}")
+        offsets.append(start)
+        lengths.append(max(0, stop - start))
+    return Box(tuple(offsets), tuple(lengths)), tuple(drop)
+
+
+def _full_index(spec: Any, shape: tuple[int, ...], name: str) -> tuple:
+    """`spec` as a tuple with one entry per dimension: `...` expanded, missing trailing dimensions whole."""
+    index = spec if isinstance(spec, tuple) else (spec,)
+    if sum(s is Ellipsis for s in index) > 1:
+        raise ValueError(f"tensor {name!r}: an index can have only one '...', got {spec!r}")
+    if Ellipsis in index:
+        at = next(i for i, s in enumerate(index) if s is Ellipsis)
+        index = index[:at] + (slice(None),) * max(0, len(shape) - len(index) + 1) + index[at + 1:]
+    if len(index) > len(shape):
+        raise ValueError(f"tensor {name!r} has {len(shape)} dimension(s); the index {spec!r} has {len(index)}")
+    return index + (slice(None),) * (len(shape) - len(index))
+
+
+def _pair_box(spec: Any, name: str) -> Box:
+    """The Box of an (offsets, lengths) pair, not yet checked against the tensor's shape."""
+    try:
+        offsets, lengths = spec
+        return Box(tuple(_box_int(o, name) for o in offsets), tuple(_box_int(n, name) for n in lengths))
+    except (TypeError, ValueError):
+        raise ValueError(f"tensor {name!r}: a box is a Box, (offsets, lengths) or a tuple of slices, "
+                         f"got {spec!r:.80}") from None
 
 
 def _is_index(spec: Any, name: str) -> bool:

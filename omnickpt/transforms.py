@@ -335,36 +335,48 @@ class Rename(Transform):
         return {"fn": self.label or getattr(self.fn, "__name__", repr(self.fn))}
 
     def _rewrite(self, tensors):
-        renames: dict[str, str] = {}
-        if self.mapping is not None:
-            used = set()
-            for name in tensors:
-                hits = [(s, t, k) for s, t in self.mapping if (k := s.match(name)) is not None]
-                if len(hits) > 1:
-                    raise self._error(f"{name!r} matches several names {[s.text for s, _, _ in hits]}")
-                if hits:
-                    s, t, k = hits[0]
-                    used.add(s.text)
-                    renames[name] = t.fill(k)
-            unused = [s.text for s, _ in self.mapping if s.text not in used]
-            if unused:
-                raise self._error(f"no tensor matches {unused}", tensors)
-        else:
-            for name in tensors:
-                new = self.fn(name)
-                if new is not None and new != name:
-                    renames[name] = new
-            if not renames:
-                raise self._error("it renames no tensor", tensors)
+        renames = self._mapped(tensors) if self.mapping is not None else self._called(tensors)
         moved = {renames[n]: tensors.pop(n) for n in list(renames)}
         if len(moved) != len(renames):
-            seen: dict[str, str] = {}
-            for old, new in renames.items():
-                if new in seen:
-                    raise self._error(f"both {seen[new]!r} and {old!r} would be renamed to {new!r}")
-                seen[new] = old
+            self._refuse_collision(renames)
         for new, entry in moved.items():
             self._put(tensors, new, entry)
+
+    def _mapped(self, tensors) -> dict[str, str]:
+        """{old: new} by the mapping; an error for a name several patterns match, or a pattern none does."""
+        renames: dict[str, str] = {}
+        used = set()
+        for name in tensors:
+            hits = [(s, t, k) for s, t in self.mapping if (k := s.match(name)) is not None]
+            if len(hits) > 1:
+                raise self._error(f"{name!r} matches several names {[s.text for s, _, _ in hits]}")
+            if hits:
+                s, t, k = hits[0]
+                used.add(s.text)
+                renames[name] = t.fill(k)
+        unused = [s.text for s, _ in self.mapping if s.text not in used]
+        if unused:
+            raise self._error(f"no tensor matches {unused}", tensors)
+        return renames
+
+    def _called(self, tensors) -> dict[str, str]:
+        """{old: new} by the callable; an error when it renames nothing."""
+        renames: dict[str, str] = {}
+        for name in tensors:
+            new = self.fn(name)
+            if new is not None and new != name:
+                renames[name] = new
+        if not renames:
+            raise self._error("it renames no tensor", tensors)
+        return renames
+
+    def _refuse_collision(self, renames: dict[str, str]) -> None:
+        """Raise for the first two tensors `renames` sends to one name."""
+        seen: dict[str, str] = {}
+        for old, new in renames.items():
+            if new in seen:
+                raise self._error(f"both {seen[new]!r} and {old!r} would be renamed to {new!r}")
+            seen[new] = old
 
 
 class Drop(Transform):

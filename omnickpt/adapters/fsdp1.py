@@ -98,52 +98,70 @@ def flat_param_shards(root: nn.Module) -> list[FlatParamShard]:
         handle = fsdp._handle   # private: the FlatParamHandle; no public accessor exists
         if handle is None:      # an FSDP instance that manages no parameters
             continue
-        fp = handle.flat_param
         # _fqns are relative to the wrapped module, which is the FSDP instance's path plus
         # "_fsdp_wrapped_module" (dropped by clean_fqn).
-        prefix = paths[id(fsdp)]
-        where = prefix or "<root>"
-        if any(ext is not None for ext in getattr(fp, "_param_extensions", ())):
-            raise UnsupportedError(
-                f"FSDP1 unit {where!r} flattens DTensor (tensor-parallel) parameters; FSDP1 x TP is not "
-                "supported: use FSDP2 (fully_shard) with tensor parallelism")
-        local_shard = getattr(fp, "_local_shard", None)   # set at FSDP's lazy init (first forward)
-        # Outside forward/backward a sharded handle's data *is* its local shard; inside, the shard
-        # is still _local_shard, which the optimizer steps, so saving from it is right either way.
-        local = (local_shard if local_shard is not None else fp).detach()
-        # A full copy that FSDP will use again without gathering (kept after a SHARD_GRAD_OP
-        # forward until the backward) would go stale if we loaded into the shard.
-        unsharded = (local_shard is not None and fp.data_ptr() != local_shard.data_ptr()) or (
-            handle.uses_sharded_strategy and hasattr(fp, "_full_param_padded") and not handle.needs_unshard())
-        sharded_numel = fp._sharded_size.numel() if hasattr(fp, "_sharded_size") else local.numel()
-        if local.dim() != 1 or local.numel() != sharded_numel:
-            raise UnsupportedError(
-                f"FSDP1 unit {where!r}: its local shard has shape {tuple(local.shape)}, expected "
-                f"({sharded_numel},); this torch version's FlatParameter differs from what omnickpt reads")
-        pieces, by_fqn = [], {}
-        for fqn, shape, info in zip(fp._fqns, fp._shapes, fp._shard_param_infos, strict=True):
-            shape = tuple(int(s) for s in shape)
-            if info.in_shard:
-                piece = FlatPiece(_join(prefix, fqn), shape, int(info.offset_in_shard),
-                                  int(info.intra_param_start_idx), int(info.numel_in_shard))
-                if piece.offset + piece.numel > local.numel() or piece.start + piece.numel > math.prod(shape):
-                    raise UnsupportedError(
-                        f"FSDP1 unit {where!r}: parameter {piece.fqn!r} claims elements [{piece.start}, "
-                        f"{piece.start + piece.numel}) at offset {piece.offset} of a {local.numel()}-element "
-                        "shard; this torch version's FlatParameter metadata differs from what omnickpt reads")
-            else:
-                piece = FlatPiece(_join(prefix, fqn), shape, 0, 0, 0)
-            pieces.append(piece)
-            by_fqn[fqn] = piece
-        aliases = []
-        for spi in fp._shared_param_infos:
-            prim = by_fqn[f"{spi.prim_module_name}.{spi.prim_param_name}" if spi.prim_module_name
-                          else spi.prim_param_name]
-            alias = spi.module_name + "." + spi.param_name if spi.module_name else spi.param_name
-            aliases.append(replace(prim, fqn=_join(prefix, alias)))
-        orig = list(fp._params) if getattr(fp, "_params", None) is not None else None
-        out.append(FlatParamShard(fp, local, pieces, aliases, orig, unsharded, where))
+        out.append(_flat_param_shard(handle, paths[id(fsdp)]))
     return out
+
+
+def _flat_param_shard(handle, prefix: str) -> FlatParamShard:
+    """The FlatParamShard of one FSDP unit's handle; `prefix` is the unit's module path."""
+    fp = handle.flat_param
+    where = prefix or "<root>"
+    if any(ext is not None for ext in getattr(fp, "_param_extensions", ())):
+        raise UnsupportedError(
+            f"FSDP1 unit {where!r} flattens DTensor (tensor-parallel) parameters; FSDP1 x TP is not "
+            "supported: use FSDP2 (fully_shard) with tensor parallelism")
+    local, unsharded = _local_shard(handle, where)
+    pieces, by_fqn = _flat_pieces(fp, prefix, where, local)
+    aliases = []
+    for spi in fp._shared_param_infos:
+        prim = by_fqn[f"{spi.prim_module_name}.{spi.prim_param_name}" if spi.prim_module_name
+                      else spi.prim_param_name]
+        alias = spi.module_name + "." + spi.param_name if spi.module_name else spi.param_name
+        aliases.append(replace(prim, fqn=_join(prefix, alias)))
+    orig = list(fp._params) if getattr(fp, "_params", None) is not None else None
+    return FlatParamShard(fp, local, pieces, aliases, orig, unsharded, where)
+
+
+def _local_shard(handle, where: str) -> tuple[torch.Tensor, bool]:
+    """(this rank's 1-D shard of the handle's FlatParameter, whether a live full copy exists)."""
+    fp = handle.flat_param
+    local_shard = getattr(fp, "_local_shard", None)   # set at FSDP's lazy init (first forward)
+    # Outside forward/backward a sharded handle's data *is* its local shard; inside, the shard
+    # is still _local_shard, which the optimizer steps, so saving from it is right either way.
+    local = (local_shard if local_shard is not None else fp).detach()
+    # A full copy that FSDP will use again without gathering (kept after a SHARD_GRAD_OP
+    # forward until the backward) would go stale if we loaded into the shard.
+    unsharded = (local_shard is not None and fp.data_ptr() != local_shard.data_ptr()) or (
+        handle.uses_sharded_strategy and hasattr(fp, "_full_param_padded") and not handle.needs_unshard())
+    sharded_numel = fp._sharded_size.numel() if hasattr(fp, "_sharded_size") else local.numel()
+    if local.dim() != 1 or local.numel() != sharded_numel:
+        raise UnsupportedError(
+            f"FSDP1 unit {where!r}: its local shard has shape {tuple(local.shape)}, expected "
+            f"({sharded_numel},); this torch version's FlatParameter differs from what omnickpt reads")
+    return local, unsharded
+
+
+def _flat_pieces(fp, prefix: str, where: str, local: torch.Tensor) -> tuple[list[FlatPiece], dict[str, FlatPiece]]:
+    """(one FlatPiece per original parameter in flat order, the same by relative fqn), each
+    checked to lie inside both the local shard and its parameter."""
+    pieces, by_fqn = [], {}
+    for fqn, shape, info in zip(fp._fqns, fp._shapes, fp._shard_param_infos, strict=True):
+        shape = tuple(int(s) for s in shape)
+        if info.in_shard:
+            piece = FlatPiece(_join(prefix, fqn), shape, int(info.offset_in_shard),
+                              int(info.intra_param_start_idx), int(info.numel_in_shard))
+            if piece.offset + piece.numel > local.numel() or piece.start + piece.numel > math.prod(shape):
+                raise UnsupportedError(
+                    f"FSDP1 unit {where!r}: parameter {piece.fqn!r} claims elements [{piece.start}, "
+                    f"{piece.start + piece.numel}) at offset {piece.offset} of a {local.numel()}-element "
+                    "shard; this torch version's FlatParameter metadata differs from what omnickpt reads")
+        else:
+            piece = FlatPiece(_join(prefix, fqn), shape, 0, 0, 0)
+        pieces.append(piece)
+        by_fqn[fqn] = piece
+    return pieces, by_fqn
 
 
 def _managed_ids(flats: list[FlatParamShard]) -> set[int]:

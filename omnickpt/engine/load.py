@@ -382,6 +382,55 @@ def _buffers(pool: StagingPool | None):
     return (lambda n: pool.acquire(n)), pool.release
 
 
+def _batch_layout(batch: list[_Extent]) -> tuple[list[int], int]:
+    """Each extent's offset in the batch's one buffer and the buffer's size: extents start at
+    64-byte boundaries."""
+    offsets, total = [], 0
+    for ext in batch:
+        offsets.append(total)
+        total = (total + ext.end - ext.start + 63) // 64 * 64
+    return offsets, total
+
+
+def _carve(batch: list[_Extent], buf: torch.Tensor, offsets: list[int]) -> tuple[list[tuple], list[_Extent]]:
+    """Give each extent its slice of `buf`; returns the plain extents' (extent, start, end) requests of
+    at most MAX_REQUEST bytes and the compressed extents (read chunk by chunk)."""
+    requests, packed = [], []
+    for ext, off in zip(batch, offsets):
+        ext.buf = buf[off:off + ext.end - ext.start]
+        if ext.sums is not None:
+            packed.append(ext)
+            continue
+        requests += [(ext, a, min(a + MAX_REQUEST, ext.end)) for a in range(ext.start, ext.end, MAX_REQUEST)]
+    return requests, packed
+
+
+def _fetch_plain(storage: Storage, manifest: Manifest, requests: list[tuple], items: Sequence[ReadItem],
+                 executor: Executor | None) -> None:
+    if executor is None or len(requests) <= 1:
+        for r in requests:
+            _fetch(storage, manifest, *r, items)
+    else:
+        for f in [executor.submit(_fetch, storage, manifest, *r, items) for r in requests]:
+            f.result()
+
+
+def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], items: Sequence[ReadItem],
+                  verify: bool, executor: Executor | None) -> int:
+    """Read the compressed extents; returns the stored bytes read."""
+    # Small compressed boxes (a few chunks) are tasks of their own; a large one spreads its
+    # chunks over the threads (never both: a task waiting for tasks of the same pool could deadlock).
+    small = [e for e in packed if e.end - e.start <= 2 * e.sums.size]
+    large = [e for e in packed if e.end - e.start > 2 * e.sums.size]
+    if executor is None or len(small) <= 1:
+        read_bytes = sum(_fetch_compressed(storage, manifest, e, items, verify, None) for e in small)
+    else:
+        read_bytes = sum(f.result() for f in [executor.submit(_fetch_compressed, storage, manifest, e, items,
+                                                              verify, None) for e in small])
+    read_bytes += sum(_fetch_compressed(storage, manifest, e, items, verify, executor) for e in large)
+    return read_bytes
+
+
 @gc_paused()
 def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer,
@@ -425,36 +474,12 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
 
     def read(batch: list[_Extent]) -> None:
         with timer.phase("read"):
-            # One buffer per batch, carved into the extents at 64-byte boundaries.
-            offsets, total = [], 0
-            for ext in batch:
-                offsets.append(total)
-                total = (total + ext.end - ext.start + 63) // 64 * 64
+            offsets, total = _batch_layout(batch)
             buf = acquire(total)
             held.append(buf)
-            requests, packed = [], []
-            for ext, off in zip(batch, offsets):
-                ext.buf = buf[off:off + ext.end - ext.start]
-                if ext.sums is not None:
-                    packed.append(ext)
-                    continue
-                requests += [(ext, a, min(a + MAX_REQUEST, ext.end)) for a in range(ext.start, ext.end, MAX_REQUEST)]
-            if executor is None or len(requests) <= 1:
-                for r in requests:
-                    _fetch(storage, manifest, *r, items)
-            else:
-                for f in [executor.submit(_fetch, storage, manifest, *r, items) for r in requests]:
-                    f.result()
-            # Small compressed boxes (a few chunks) are tasks of their own; a large one spreads its
-            # chunks over the threads (never both: a task waiting for tasks of the same pool could deadlock).
-            small = [e for e in packed if e.end - e.start <= 2 * e.sums.size]
-            large = [e for e in packed if e.end - e.start > 2 * e.sums.size]
-            if executor is None or len(small) <= 1:
-                read_bytes = sum(_fetch_compressed(storage, manifest, e, items, verify, None) for e in small)
-            else:
-                read_bytes = sum(f.result() for f in [executor.submit(_fetch_compressed, storage, manifest, e, items,
-                                                                      verify, None) for e in small])
-            read_bytes += sum(_fetch_compressed(storage, manifest, e, items, verify, executor) for e in large)
+            requests, packed = _carve(batch, buf, offsets)
+            _fetch_plain(storage, manifest, requests, items, executor)
+            read_bytes = _fetch_packed(storage, manifest, packed, items, verify, executor)
             timer.count("read", read_bytes + sum(ext.end - ext.start for ext in batch if ext.sums is None))
         if verify:
             with timer.phase("verify"):

@@ -108,11 +108,7 @@ def encode_object(value, *, allow_pickle: bool = False, where: str = "object") -
 
     def default(obj):
         if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-                raise UnsupportedError(f"{where}: cannot encode a {type(obj).__name__} inside a plain value")
-            t = obj.detach().cpu().contiguous()
-            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return msgpack.ExtType(_TENSOR, _pack([str(t.dtype).removeprefix("torch."), list(t.shape), raw]))
+            return _tensor_ext(obj, where, _pack)
         if isinstance(obj, dict):   # OrderedDict and other mappings from state_dict()s
             return dict(obj)
         if isinstance(obj, list):
@@ -122,21 +118,10 @@ def encode_object(value, *, allow_pickle: bool = False, where: str = "object") -
             # as a plain float
             return msgpack.ExtType(_NPSCALAR, _pack([obj.dtype.str, obj.tobytes()]))
         if isinstance(obj, (int, float, str, bytes)) and type(obj) not in (int, float, str, bytes):
-            if isinstance(obj, int) and not isinstance(obj, bool):
-                return int(obj)
-            return {float: float, str: str, bytes: bytes}[next(t for t in (float, str, bytes) if isinstance(obj, t))](obj)
-        if isinstance(obj, tuple):
-            return msgpack.ExtType(_TUPLE, _pack(list(obj)))
-        if isinstance(obj, (set, frozenset)):
-            return msgpack.ExtType(_SET, _pack(sorted(obj, key=repr)))
-        if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
-            # tobytes() is row-major for any strides; obj.shape, not ascontiguousarray's, which
-            # turns a 0-d array into a 1-d one
-            return msgpack.ExtType(_NDARRAY, _pack([obj.dtype.str, list(obj.shape), obj.tobytes(order="C")]))
-        if isinstance(obj, ShardRef):
-            return msgpack.ExtType(_SHARDREF, obj.name.encode())
-        if isinstance(obj, torch.dtype):
-            return msgpack.ExtType(_DTYPE, _pack(str(obj).removeprefix("torch.")))
+            return _builtin_value(obj)
+        ext = _record_ext(obj, _pack)
+        if ext is not None:
+            return ext
         if allow_pickle:
             return msgpack.ExtType(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         raise UnsupportedError(
@@ -148,6 +133,39 @@ def encode_object(value, *, allow_pickle: bool = False, where: str = "object") -
         return msgpack.packb(v, default=default, use_bin_type=True, strict_types=True)
 
     return _pack(value)
+
+
+def _tensor_ext(obj: torch.Tensor, where: str, pack) -> msgpack.ExtType:
+    """A dense tensor inside a plain value, as its dtype, shape and bytes."""
+    if obj.layout != torch.strided or type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+        raise UnsupportedError(f"{where}: cannot encode a {type(obj).__name__} inside a plain value")
+    t = obj.detach().cpu().contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return msgpack.ExtType(_TENSOR, pack([str(t.dtype).removeprefix("torch."), list(t.shape), raw]))
+
+
+def _builtin_value(obj):
+    """A subclass of int, float, str or bytes (an IntEnum, a str enum) as the plain builtin value."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return int(obj)
+    return {float: float, str: str, bytes: bytes}[next(t for t in (float, str, bytes) if isinstance(obj, t))](obj)
+
+
+def _record_ext(obj, pack) -> msgpack.ExtType | None:
+    """The extension record of a tuple, set, numeric ndarray, ShardRef or torch.dtype; None for any other object."""
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_TUPLE, pack(list(obj)))
+    if isinstance(obj, (set, frozenset)):
+        return msgpack.ExtType(_SET, pack(sorted(obj, key=repr)))
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+        # tobytes() is row-major for any strides; obj.shape, not ascontiguousarray's, which
+        # turns a 0-d array into a 1-d one
+        return msgpack.ExtType(_NDARRAY, pack([obj.dtype.str, list(obj.shape), obj.tobytes(order="C")]))
+    if isinstance(obj, ShardRef):
+        return msgpack.ExtType(_SHARDREF, obj.name.encode())
+    if isinstance(obj, torch.dtype):
+        return msgpack.ExtType(_DTYPE, pack(str(obj).removeprefix("torch.")))
+    return None
 
 
 def _path(parts: list) -> str:

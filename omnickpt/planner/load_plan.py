@@ -121,14 +121,7 @@ def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[l
     kind: their boxes concatenated, every (stored box, wanted box of its tensor) pair intersected
     in one numpy pass, records made for the overlaps only (one per tensor with a 1:1 layout)."""
     cols = [g[3] for g in group]
-    counts = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
-    owner = np.repeat(np.arange(len(cols)), counts)
-    offs = np.concatenate([c.offsets for c in cols]).reshape(len(owner), ndim)
-    lens = np.concatenate([c.lengths for c in cols]).reshape(len(owner), ndim)
-    q_lo = np.array([g[2].offsets for g in group], dtype=np.int64).reshape(len(cols), ndim)
-    q_hi = q_lo + np.array([g[2].lengths for g in group], dtype=np.int64).reshape(len(cols), ndim)
-    lo = np.maximum(offs, q_lo[owner])
-    n = np.minimum(offs + lens, q_hi[owner]) - lo
+    owner, offs, lens, lo, n = _small_overlaps(group, cols, ndim)
     hit = np.flatnonzero((n > 0).all(axis=1))
     numel = n[hit].prod(axis=1)
     covered = np.zeros(len(cols), dtype=np.int64)
@@ -141,19 +134,7 @@ def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[l
     file = np.concatenate([c.file for c in cols])[hit].tolist()
     offset = np.concatenate([c.offset for c in cols])[hit].tolist()
     nbytes = np.concatenate([c.nbytes for c in cols])[hit].tolist()
-    if chunk_bytes is None:
-        sums = [None] * len(hit)
-    else:
-        # Each tensor's sums_start has one more row than it has boxes and counts in its own crcs.
-        crc_base = np.zeros(len(cols), dtype=np.int64)
-        crc_base[1:] = np.cumsum(np.fromiter((len(c.crcs) for c in cols[:-1]), dtype=np.int64, count=len(cols) - 1))
-        starts = np.concatenate([c.sums_start for c in cols])
-        at = hit + who
-        s0 = (starts[at] + crc_base[who]).tolist()
-        s1 = (starts[at + 1] + crc_base[who]).tolist()
-        crcs = np.concatenate([c.crcs for c in cols]).tolist()
-        sums = [Sums(a, a + b, chunk_bytes or max(1, b), tuple(crcs[i:j]))
-                for a, b, i, j in zip(offset, nbytes, s0, s1)]
+    sums = _small_sums(cols, hit, who, offset, nbytes, chunk_bytes)
     saved_offs = map(tuple, offs[hit].tolist())
     saved_lens = map(tuple, lens[hit].tolist())
     regions = zip(map(tuple, lo[hit].tolist()), map(tuple, n[hit].tolist()))
@@ -161,6 +142,39 @@ def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[l
                                                  regions):
         di, name = group[k][0], group[k][1]
         per_box[di].append(ReadItem(name, di, SavedBox(so, sl, f, a, b, sm), Box(ro, rl)))
+
+
+def _small_overlaps(group: list, cols: list, ndim: int):
+    """(owner, offs, lens, lo, n): the group's stored boxes concatenated (owner: the group entry of
+    each), and each one's overlap with its entry's wanted box as offsets `lo` and lengths `n`
+    (a length <= 0 where they do not overlap)."""
+    counts = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
+    owner = np.repeat(np.arange(len(cols)), counts)
+    offs = np.concatenate([c.offsets for c in cols]).reshape(len(owner), ndim)
+    lens = np.concatenate([c.lengths for c in cols]).reshape(len(owner), ndim)
+    q_lo = np.array([g[2].offsets for g in group], dtype=np.int64).reshape(len(cols), ndim)
+    q_hi = q_lo + np.array([g[2].lengths for g in group], dtype=np.int64).reshape(len(cols), ndim)
+    lo = np.maximum(offs, q_lo[owner])
+    n = np.minimum(offs + lens, q_hi[owner]) - lo
+    return owner, offs, lens, lo, n
+
+
+def _small_sums(cols: list, hit: np.ndarray, who: np.ndarray, offset: list[int], nbytes: list[int],
+                chunk_bytes: int | None) -> list[Sums | None]:
+    """The checksums of the overlapped stored boxes `hit` (their group entries `who`), or Nones when
+    the group has no checksums."""
+    if chunk_bytes is None:
+        return [None] * len(hit)
+    # Each tensor's sums_start has one more row than it has boxes and counts in its own crcs.
+    crc_base = np.zeros(len(cols), dtype=np.int64)
+    crc_base[1:] = np.cumsum(np.fromiter((len(c.crcs) for c in cols[:-1]), dtype=np.int64, count=len(cols) - 1))
+    starts = np.concatenate([c.sums_start for c in cols])
+    at = hit + who
+    s0 = (starts[at] + crc_base[who]).tolist()
+    s1 = (starts[at + 1] + crc_base[who]).tolist()
+    crcs = np.concatenate([c.crcs for c in cols]).tolist()
+    return [Sums(a, a + b, chunk_bytes or max(1, b), tuple(crcs[i:j]))
+            for a, b, i, j in zip(offset, nbytes, s0, s1)]
 
 
 def _index(entry) -> BoxIndex:

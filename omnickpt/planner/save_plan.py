@@ -290,22 +290,66 @@ def _plan_uniform(batches, names, shapes, dtypes, itemsizes, owner, index) -> Gl
     each of the same tensors (FSDP, TP, DDP), each box either the same on every rank (a replica)
     or one of disjoint intervals along one dimension in rank order. None when the records are not
     of that kind (the general planner takes them, and reports any error)."""
+    stacked = _uniform_stack(batches, index)
+    if stacked is None:
+        return None
+    slot_tid, O, L = stacked
+    extent = _uniform_extent(O, L, slot_tid, shapes)
+    if extent is None:
+        return None
+    numel, varying = extent
+    grouping = _uniform_groups(O, L, numel, varying)
+    if grouping is None:
+        return None
+    nbytes = numel * np.array(itemsizes, dtype=np.int64)[slot_tid]
+    chosen = _uniform_writers(nbytes, *grouping)
+    world, m, ndim = O.shape
+    aligned = np.where(chosen, _align(nbytes), 0)
+    offset = np.cumsum(aligned, axis=1) - aligned
+    flat = np.nonzero(chosen.ravel())[0]
+    w_rank, w_slot = np.divmod(flat, m)
+    write_start = np.zeros(world + 1, dtype=np.int64)
+    np.cumsum(chosen.sum(axis=1), out=write_start[1:])
+    return GlobalPlan(batches=batches, names=names, shapes=shapes, dtypes=dtypes, write_start=write_start,
+                      write_index=w_slot, write_offset=offset.ravel()[flat], write_nbytes=nbytes.ravel()[flat],
+                      write_tensor=slot_tid[w_slot], write_offsets=O.reshape(-1, ndim)[flat],
+                      write_lengths=L.reshape(-1, ndim)[flat],
+                      tensor_bytes=aligned.sum(axis=1).tolist(), extra={"owner": owner})
+
+
+def _uniform_stack(batches, index):
+    """(slot_tid, O, L): each slot's global tensor id and the ranks' offsets and lengths as
+    [world, m, ndim] arrays (the narrow dtypes sent), or None when the ranks do not hold one box of
+    each of the same tensors in the same order, or a box has a negative offset or length."""
+    if not _same_slots(batches):
+        return None
     first = batches[0]
-    world, m = len(batches), len(first)
-    if not m or any(b.table_digest != first.table_digest or len(b) != m or b.offsets.shape != first.offsets.shape
-                    for b in batches):
-        return None
-    if len(first.tensor) != len(np.unique(first.tensor)):
-        return None   # several boxes of a tensor on a rank (flat ranges): the general planner
-    tensor_bytes = first.tensor.tobytes()
-    if any(b.tensor.tobytes() != tensor_bytes for b in batches):
-        return None
     slot_tid = np.array([index[x] for x in first.names], dtype=np.int64)[first.tensor]
-    O = np.stack([b.offsets for b in batches])           # [world, m, ndim], the narrow dtypes sent
+    O = np.stack([b.offsets for b in batches])
     L = np.stack([b.lengths for b in batches])
     if O.dtype.kind == "i" and (O < 0).any() or L.dtype.kind == "i" and (L < 0).any():
         return None
-    ndim = O.shape[2]
+    return slot_tid, O, L
+
+
+def _same_slots(batches) -> bool:
+    """Every rank sent the same tensors in the same order, one box of each, with the same number of dimensions."""
+    first = batches[0]
+    m = len(first)
+    if not m or any(b.table_digest != first.table_digest or len(b) != m or b.offsets.shape != first.offsets.shape
+                    for b in batches):
+        return False
+    if len(first.tensor) != len(np.unique(first.tensor)):
+        return False   # several boxes of a tensor on a rank (flat ranges): the general planner
+    tensor_bytes = first.tensor.tobytes()
+    return all(b.tensor.tobytes() == tensor_bytes for b in batches)
+
+
+def _uniform_extent(O, L, slot_tid, shapes):
+    """(numel [world, m], varying [m, ndim]: the dimensions along which a slot's boxes differ
+    between ranks), or None when a box lies outside its tensor or varies along more than one
+    dimension (the general planner reports or handles those)."""
+    world, m, ndim = O.shape
     shape = np.ones((m, ndim), dtype=np.int64)
     for j, t in enumerate(slot_tid.tolist()):
         shape[j, :len(shapes[t])] = shapes[t]
@@ -317,44 +361,68 @@ def _plan_uniform(batches, names, shapes, dtypes, itemsizes, owner, index) -> Gl
             return None
         numel *= ln
         varying[:, d] = (o != o[0]).any(axis=0) | (ln != ln[0]).any(axis=0)
-    nvary = varying.sum(axis=1)
-    if (nvary > 1).any():
+    if (varying.sum(axis=1) > 1).any():
         return None
-    # Group ids as the general planner numbers them (tensor by tensor, boxes by start): a slot
-    # whose box is the same everywhere is one group; a slot of intervals is one group per
-    # distinct interval, found by sorting the ranks' starts (already sorted under FSDP).
-    nbytes = numel * np.array(itemsizes, dtype=np.int64)[slot_tid]
+    return numel, varying
+
+
+def _uniform_groups(O, L, numel, varying):
+    """(groups, groups_of, own), or None for overlapping boxes or empty replicated intervals.
+
+    Group ids as the general planner numbers them (tensor by tensor, boxes by start): a slot
+    whose box is the same everywhere is one group; a slot of intervals is one group per
+    distinct interval, found by sorting the ranks' starts (already sorted under FSDP).
+    groups[j] counts slot j's groups, groups_of maps a slot of replicated intervals to the group
+    index of each rank's box, own marks slots where every rank's box is its own (FSDP rows)."""
+    world, m, _ = O.shape
     groups = np.ones(m, dtype=np.int64)
-    groups_of = {}     # slot -> group index of each rank's box, for slots of replicated intervals
-    own = np.zeros(m, dtype=bool)     # slots where every rank's box is its own (FSDP rows)
-    one = np.nonzero(nvary == 1)[0]
-    if len(one) and world > 1:
-        d = np.argmax(varying[one], axis=1)
-        starts = O[:, one, d]
-        lens = L[:, one, d]
-        ranked = (starts[1:] > starts[:-1]).all(axis=0)
-        if (ranked & ~(starts[1:] >= np.add(starts[:-1], lens[:-1], dtype=np.int64)).all(axis=0)).any():
-            return None   # overlapping boxes: the general planner says which
-        own[one[ranked]] = True
-        groups[one[ranked]] = world
-        cols = np.nonzero(~ranked)[0]
-        if len(cols):
-            if (numel[:, one[cols]] == 0).any():
-                return None   # empty boxes among replicated intervals: the general planner groups them
-            st, ln = starts[:, cols].astype(np.int64), lens[:, cols].astype(np.int64)
-            order = np.argsort(st, axis=0, kind="stable")
-            st, ln = np.take_along_axis(st, order, axis=0), np.take_along_axis(ln, order, axis=0)
-            new = (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
-            if (new & (st[1:] < st[:-1] + ln[:-1])).any():
-                return None
-            cum = np.vstack([np.zeros((1, len(cols)), dtype=np.int64), np.cumsum(new, axis=0)])
-            index = np.empty_like(cum)
-            np.put_along_axis(index, order, cum, axis=0)
-            for k, j in enumerate(one[cols].tolist()):
-                groups_of[j] = index[:, k]
-                groups[j] = int(cum[-1, k]) + 1
-    # Group ids as the general planner numbers them (tensor by tensor, boxes by start), so both
-    # break ties alike. Every rank writes its own boxes; the replicated ones are balanced on top.
+    groups_of = {}
+    own = np.zeros(m, dtype=bool)
+    one = np.nonzero(varying.sum(axis=1) == 1)[0]
+    if not len(one) or world == 1:
+        return groups, groups_of, own
+    d = np.argmax(varying[one], axis=1)
+    starts = O[:, one, d]
+    lens = L[:, one, d]
+    ranked = (starts[1:] > starts[:-1]).all(axis=0)
+    if (ranked & ~(starts[1:] >= np.add(starts[:-1], lens[:-1], dtype=np.int64)).all(axis=0)).any():
+        return None   # overlapping boxes: the general planner says which
+    own[one[ranked]] = True
+    groups[one[ranked]] = world
+    cols = np.nonzero(~ranked)[0]
+    if len(cols):
+        if (numel[:, one[cols]] == 0).any():
+            return None   # empty boxes among replicated intervals: the general planner groups them
+        counted = _interval_groups(starts[:, cols].astype(np.int64), lens[:, cols].astype(np.int64))
+        if counted is None:
+            return None
+        index, cum = counted
+        for k, j in enumerate(one[cols].tolist()):
+            groups_of[j] = index[:, k]
+            groups[j] = int(cum[-1, k]) + 1
+    return groups, groups_of, own
+
+
+def _interval_groups(st, ln):
+    """Per column of [world, cols] interval starts and lengths that some ranks share: (index, cum),
+    each rank's group index within its column and the running count of distinct intervals in
+    sorted order; None when two different intervals overlap."""
+    order = np.argsort(st, axis=0, kind="stable")
+    st, ln = np.take_along_axis(st, order, axis=0), np.take_along_axis(ln, order, axis=0)
+    new = (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
+    if (new & (st[1:] < st[:-1] + ln[:-1])).any():
+        return None
+    cum = np.vstack([np.zeros((1, st.shape[1]), dtype=np.int64), np.cumsum(new, axis=0)])
+    index = np.empty_like(cum)
+    np.put_along_axis(index, order, cum, axis=0)
+    return index, cum
+
+
+def _uniform_writers(nbytes, groups, groups_of, own) -> np.ndarray:
+    """[world, m] bool: which rank writes each slot. Every rank writes its own boxes; the replicated
+    ones are balanced on top, their group ids numbered as the general planner numbers them (tensor
+    by tensor, boxes by start), so both break ties alike."""
+    world, m = nbytes.shape
     base = np.concatenate(([0], np.cumsum(groups)[:-1]))
     chosen = np.zeros((world, m), dtype=bool)
     chosen[:, own] = True
@@ -368,17 +436,7 @@ def _plan_uniform(batches, names, shapes, dtypes, itemsizes, owner, index) -> Gl
         rank = np.repeat(np.arange(world, dtype=np.int64), len(shared))
         picked = _choose_writers(group.ravel(), rank, nbytes[:, shared].ravel(), world, load, count)
         chosen[:, shared] = picked.reshape(world, len(shared))
-    aligned = np.where(chosen, _align(nbytes), 0)
-    offset = np.cumsum(aligned, axis=1) - aligned
-    flat = np.nonzero(chosen.ravel())[0]
-    w_rank, w_slot = np.divmod(flat, m)
-    write_start = np.zeros(world + 1, dtype=np.int64)
-    np.cumsum(chosen.sum(axis=1), out=write_start[1:])
-    return GlobalPlan(batches=batches, names=names, shapes=shapes, dtypes=dtypes, write_start=write_start,
-                      write_index=w_slot, write_offset=offset.ravel()[flat], write_nbytes=nbytes.ravel()[flat],
-                      write_tensor=slot_tid[w_slot], write_offsets=O.reshape(-1, ndim)[flat],
-                      write_lengths=L.reshape(-1, ndim)[flat],
-                      tensor_bytes=aligned.sum(axis=1).tolist(), extra={"owner": owner})
+    return chosen
 
 
 def _tensor_table(batches: list[RecordBatch]):
