@@ -109,42 +109,74 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
         return CorruptCheckpointError(f"{where}: {detail}; the DCP data file is damaged (or the item was not written "
                                       "by torch.distributed.checkpoint): restore it from a good copy")
 
-    f = _ItemFile(windows, item)
+    _require_torch_save(windows, item, where)
+    ref, entry, start = _archive_tensor(_ItemFile(windows, item), where, bad)
+    _check_tensor(ref, t, chunk, where, bad)
+    return item.offset + start + _data_offset(ref, entry, start, chunk, item, bad)
+
+
+def _require_torch_save(windows: _Windows, item: _Item, where: str) -> None:
+    """Refuse an item that is no zip at all. DCP writes such items on purpose (safetensors serialisation,
+    other storage writers), so this is UnsupportedError, not damage."""
     if bytes(windows.read(item.path, item.offset, item.offset + min(4, item.length))) != b"PK\x03\x04":
         raise UnsupportedError(
             f"{where}: the item is not a torch.save archive (a DCP checkpoint written with "
             "serialization_format=SAFETENSORS, or by another storage writer); omnickpt reads FileSystemWriter's "
             "default torch.save items only: load it with dcp.load and save it with omnickpt")
+
+
+def _archive_tensor(f: _ItemFile, where: str,
+                    bad: Callable[[str], CorruptCheckpointError]) -> tuple[_StoredTensor, zipfile.ZipInfo, int]:
+    """The tensor record in the archive's data.pkl, its storage's zip entry, and where that entry's bytes
+    start in the archive. Whatever a damaged zip makes zipfile raise becomes `bad(...)`; our own
+    CheckpointErrors pass through with their class."""
     try:
         with zipfile.ZipFile(f) as zf:
-            infos = {i.filename: i for i in zf.infolist()}
-            pkl = next((n for n in infos if n == "data.pkl" or n.endswith("/data.pkl")), None)
-            if pkl is None:
-                raise bad("the archive has no data.pkl")
-            prefix = pkl[:-len("data.pkl")]
-            order = infos.get(f"{prefix}byteorder")
-            if order is not None and (order.file_size > 16 or _stored(zf, order) != b"little"):
-                raise UnsupportedError(f"{where}: the tensor was saved on a big-endian machine; omnickpt reads "
-                                       "little-endian data only")
-            if infos[pkl].file_size > _MAX_DATA_PKL:
-                raise bad(f"its data.pkl has {infos[pkl].file_size} bytes, far more than a tensor's")
-            ref = _unpickle_tensor(_stored(zf, infos[pkl]), where, bad)
-            if not isinstance(ref, _StoredTensor):
-                raise bad(f"its data.pkl holds a {type(ref).__name__}, not a tensor")
-            entry = infos.get(f"{prefix}data/{ref.key}")
-            if entry is None:
-                raise bad(f"the archive has no storage {ref.key!r}")
-            if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
-                raise bad("the tensor's storage is compressed")
+            ref, entry = _tensor_entry(zf, where, bad)
             start = _entry_data_start(f, entry)
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, struct.error, EOFError, ValueError, KeyError, TypeError,
             IndexError, OverflowError, NotImplementedError, RuntimeError, RecursionError) as e:
         raise bad(f"not a readable torch.save archive ({type(e).__name__}: {e})") from None
-    dtype = ref.dtype
-    if dtype != t.dtype:
-        raise bad(f"it holds a {dtype} tensor but the metadata says {t.dtype}")
+    return ref, entry, start
+
+
+def _tensor_entry(zf: zipfile.ZipFile, where: str,
+                  bad: Callable[[str], CorruptCheckpointError]) -> tuple[_StoredTensor, zipfile.ZipInfo]:
+    """The tensor data.pkl describes and the stored (uncompressed) zip entry holding its storage."""
+    infos = {i.filename: i for i in zf.infolist()}
+    pkl = next((n for n in infos if n == "data.pkl" or n.endswith("/data.pkl")), None)
+    if pkl is None:
+        raise bad("the archive has no data.pkl")
+    prefix = pkl[:-len("data.pkl")]
+    _require_little_endian(zf, infos.get(f"{prefix}byteorder"), where)
+    if infos[pkl].file_size > _MAX_DATA_PKL:
+        raise bad(f"its data.pkl has {infos[pkl].file_size} bytes, far more than a tensor's")
+    ref = _unpickle_tensor(_stored(zf, infos[pkl]), where, bad)
+    if not isinstance(ref, _StoredTensor):
+        raise bad(f"its data.pkl holds a {type(ref).__name__}, not a tensor")
+    entry = infos.get(f"{prefix}data/{ref.key}")
+    if entry is None:
+        raise bad(f"the archive has no storage {ref.key!r}")
+    if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
+        raise bad("the tensor's storage is compressed")
+    return ref, entry
+
+
+def _require_little_endian(zf: zipfile.ZipFile, order: zipfile.ZipInfo | None, where: str) -> None:
+    """torch.save records the writing machine's byte order in a `byteorder` entry; the bytes are mapped as
+    they lie, so only little-endian ones can be read."""
+    if order is not None and (order.file_size > 16 or _stored(zf, order) != b"little"):
+        raise UnsupportedError(f"{where}: the tensor was saved on a big-endian machine; omnickpt reads "
+                               "little-endian data only")
+
+
+def _check_tensor(ref: _StoredTensor, t: _DcpTensor, chunk: _Chunk, where: str,
+                  bad: Callable[[str], CorruptCheckpointError]) -> None:
+    """The stored tensor is the metadata's chunk (dtype, shape) and row-major, so its bytes are the box's."""
+    if ref.dtype != t.dtype:
+        raise bad(f"it holds a {ref.dtype} tensor but the metadata says {t.dtype}")
     if ref.shape != chunk.sizes:
         raise bad(f"it holds a tensor of shape {list(ref.shape)} but the metadata says {list(chunk.sizes)}")
     expected = 1
@@ -154,6 +186,13 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
                                    "e.g. channels-last or transposed); omnickpt maps row-major chunks only: load "
                                    "it with dcp.load and save it with omnickpt")
         expected *= n
+
+
+def _data_offset(ref: _StoredTensor, entry: zipfile.ZipInfo, start: int, chunk: _Chunk, item: _Item,
+                 bad: Callable[[str], CorruptCheckpointError]) -> int:
+    """Where the chunk's first element lies in its storage entry, once the entry is known to hold all of the
+    chunk's bytes and to lie inside the item."""
+    dtype = ref.dtype
     itemsize = dtype.itemsize
     storage_bytes = ref.numel * (ref.storage_dtype.itemsize if ref.storage_dtype is not None else 1)
     if ref.storage_dtype is not None and ref.storage_dtype != dtype:
@@ -163,7 +202,7 @@ def _locate(windows: _Windows, fqn: str, t: _DcpTensor, chunk: _Chunk, describe:
             or start + entry.file_size > item.length):
         raise bad(f"its storage of {entry.file_size} bytes does not hold the tensor (storage offset {ref.offset}, "
                   f"{math.prod(chunk.sizes)} elements of {itemsize} bytes)")
-    return item.offset + start + lo
+    return lo
 
 
 def _stored(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:

@@ -84,23 +84,40 @@ def _parse_metadata(md: _Metadata, where: str) -> _Parsed:
     entries, storage = md.get("state_dict_metadata"), md.get("storage_data")
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise bad("state_dict_metadata or storage_data is missing")
-    items: dict[tuple[str, tuple | None], _Item] = {}
-    for index, info in storage.items():
-        if not isinstance(index, _MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise bad(f"storage_data holds a {type(index).__name__} -> {type(info).__name__} record")
-        fqn, offset = index.get("fqn"), index.get("offset")
-        path, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
-        if not isinstance(fqn, str) or not (offset is None or _shape(offset) is not None):
-            raise bad(f"a storage record with key {_brief.repr(fqn)} and offsets {_brief.repr(offset)}")
-        if not (_count(start) and _count(length)):
-            raise bad(f"{fqn!r}: a stored item at offset {_brief.repr(start)} with length {_brief.repr(length)}")
-        transforms = info.get("transform_descriptors")
-        if transforms:
-            raise UnsupportedError(
-                f"{where}: {fqn!r} was written through DCP stream transforms {_brief.repr(transforms)} (e.g. "
-                "compression, via FileSystemWriter(_extensions=...)); omnickpt reads only untransformed DCP files: "
-                "load it with dcp.load and save it again without extensions (or with omnickpt)")
-        items[(fqn, offset)] = _Item(safe_relative_path(path, where), start, length)
+    # Every stored item is checked before any entry refers to one, so an entry's error names the entry.
+    items = dict(_storage_item(index, info, bad, where) for index, info in storage.items())
+    tensors, values = _entry_records(entries, items, bad, where)
+    meta = md.get("storage_meta")
+    save_id = meta.get("save_id") if isinstance(meta, _StorageMeta) else None
+    mcore = md.get("mcore_data")
+    version = md.get("version")
+    return _Parsed(tensors, values, _planner_paths(md.get("planner_data")),
+                   version if isinstance(version, str) else "", save_id if isinstance(save_id, str) else "",
+                   mcore if isinstance(mcore, dict) else {})
+
+
+def _storage_item(index: object, info: object, bad: Callable, where: str) -> tuple[tuple[str, tuple | None], _Item]:
+    """One `storage_data` record as ((flat key, chunk offsets or None for a value), where its bytes lie)."""
+    if not isinstance(index, _MetadataIndex) or not isinstance(info, _StorageInfo):
+        raise bad(f"storage_data holds a {type(index).__name__} -> {type(info).__name__} record")
+    fqn, offset = index.get("fqn"), index.get("offset")
+    path, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
+    if not isinstance(fqn, str) or not (offset is None or _shape(offset) is not None):
+        raise bad(f"a storage record with key {_brief.repr(fqn)} and offsets {_brief.repr(offset)}")
+    if not (_count(start) and _count(length)):
+        raise bad(f"{fqn!r}: a stored item at offset {_brief.repr(start)} with length {_brief.repr(length)}")
+    transforms = info.get("transform_descriptors")
+    if transforms:
+        raise UnsupportedError(
+            f"{where}: {fqn!r} was written through DCP stream transforms {_brief.repr(transforms)} (e.g. "
+            "compression, via FileSystemWriter(_extensions=...)); omnickpt reads only untransformed DCP files: "
+            "load it with dcp.load and save it again without extensions (or with omnickpt)")
+    return (fqn, offset), _Item(safe_relative_path(path, where), start, length)
+
+
+def _entry_records(entries: dict, items: dict[tuple[str, tuple | None], _Item], bad: Callable,
+                   where: str) -> tuple[dict[str, _DcpTensor], dict[str, _Item]]:
+    """`state_dict_metadata`'s entries split into tensor records and non-tensor values' stored items."""
     tensors: dict[str, _DcpTensor] = {}
     values: dict[str, _Item] = {}
     for fqn, entry in entries.items():
@@ -114,20 +131,17 @@ def _parse_metadata(md: _Metadata, where: str) -> _Parsed:
         if not isinstance(entry, _TensorStorageMetadata):
             raise bad(f"{fqn!r} is described by a {type(entry).__name__}")
         tensors[fqn] = _tensor_record(fqn, entry, items, bad, where)
-    planner = md.get("planner_data")
-    paths = {}
-    if isinstance(planner, dict):
-        for key, path in planner.items():
-            if (isinstance(key, str) and isinstance(path, tuple) and 0 < len(path) <= 64
-                    and all(type(p) in (str, int) for p in path) and ".".join(map(str, path)) == key):
-                paths[key] = path
-    meta = md.get("storage_meta")
-    save_id = meta.get("save_id") if isinstance(meta, _StorageMeta) else None
-    mcore = md.get("mcore_data")
-    version = md.get("version")
-    return _Parsed(tensors, values, paths, version if isinstance(version, str) else "",
-                   save_id if isinstance(save_id, str) else "",
-                   mcore if isinstance(mcore, dict) else {})
+    return tensors, values
+
+
+def _planner_paths(planner: object) -> dict[str, tuple]:
+    """planner_data's path of each flat key. It only names things, so a malformed path is dropped (the key
+    then reads as a top-level key) rather than refused."""
+    if not isinstance(planner, dict):
+        return {}
+    return {key: path for key, path in planner.items()
+            if isinstance(key, str) and isinstance(path, tuple) and 0 < len(path) <= 64
+            and all(type(p) in (str, int) for p in path) and ".".join(map(str, path)) == key}
 
 
 def _tensor_record(fqn: str, entry: _TensorStorageMetadata, items: dict, bad: Callable, where: str) -> _DcpTensor:

@@ -12,7 +12,7 @@ from omnickpt.errors import CorruptCheckpointError, UnsupportedError
 from omnickpt.format import SavedBox, TensorEntry
 from omnickpt.format.manifest import dtype_name, overlap_problem
 from omnickpt.formats.dcp.archive import _read_whole, _Windows
-from omnickpt.formats.dcp.metadata import _Parsed
+from omnickpt.formats.dcp.metadata import _Chunk, _DcpTensor, _Parsed
 from omnickpt.formats.dcp.unpickle import _brief, _Budget, _size
 
 _MEGATRON_OPTIMIZER = "optimizer.state."
@@ -41,54 +41,89 @@ def _megatron_entries(parsed: _Parsed, located: dict, values: dict, index: dict[
     [X // x, Y // y, ..., x * y * ...] with the original shape in `mcore_data`: each chunk, a flat range of
     one local block, becomes the boxes of that range in the original tensor (layout.flat_range_to_boxes).
     """
-    from omnickpt.layout import flat_range_to_boxes
     tensors: dict[str, TensorEntry] = {}
     for fqn, t in parsed.tensors.items():
-        name = f"model/{fqn}"
-        if fqn.startswith(_MEGATRON_OPTIMIZER):
-            state_key, _, param = fqn[len(_MEGATRON_OPTIMIZER):].partition(".")
-            if state_key and param:
-                name = f"optimizer/state/{param}/{state_key}"
-        itemsize = t.dtype.itemsize
-        orig = (parsed.mcore_data.get(fqn) or {}).get("nd_reformulated_orig_global_shape") \
-            if isinstance(parsed.mcore_data.get(fqn), dict) else None
+        name = _megatron_name(fqn)
+        orig = _nd_reformulated_shape(parsed.mcore_data.get(fqn))
         if orig is None:
-            boxes = [SavedBox(c.offsets, c.sizes, index[c.item.path], at, math.prod(c.sizes) * itemsize, None)
-                     for c, at in located[fqn] if c.item is not None]
-            tensors[name] = TensorEntry(t.shape, dtype_name(t.dtype), boxes)
-            continue
-        try:
-            shape = _size(orig)
-        except pickle.UnpicklingError:
-            shape = ()
-        n = len(shape)
-        if (not n or len(t.shape) != n + 1 or any(f < 1 or s % f for s, f in zip(shape, t.shape))
-                or math.prod(s // f for s, f in zip(shape, t.shape)) != t.shape[n]):
-            raise CorruptCheckpointError(
-                f"{where}: Megatron tensor {fqn!r} is stored flattened as shape {list(t.shape)}, which is no regular "
-                f"grid of its original shape {_brief.repr(orig)}; the checkpoint's metadata is damaged")
-        block = tuple(s // f for s, f in zip(shape, t.shape))
-        boxes = []
-        for c, at in located[fqn]:
-            if c.item is None:
-                continue
-            if any(size != 1 for size in c.sizes[:n]):
-                raise CorruptCheckpointError(
-                    f"{where}: Megatron tensor {fqn!r}: chunk {list(c.offsets)}+{list(c.sizes)} spans several local "
-                    "blocks of a flattened tensor; the metadata is damaged")
-            origin = tuple(o * b for o, b in zip(c.offsets[:n], block))
-            done = 0
-            for box in flat_range_to_boxes(block, c.offsets[n], c.sizes[n]):
-                offsets = tuple(o + b for o, b in zip(origin, box.offsets))
-                boxes.append(SavedBox(offsets, box.lengths, index[c.item.path], at + done * itemsize,
-                                      box.numel * itemsize, None))
-                done += box.numel
-        problem = overlap_problem(shape, boxes)
-        if problem:
-            raise CorruptCheckpointError(f"{where}: Megatron tensor {fqn!r}: {problem}; the metadata is damaged")
-        tensors[name] = TensorEntry(shape, dtype_name(t.dtype), boxes)
+            tensors[name] = TensorEntry(t.shape, dtype_name(t.dtype), _chunk_boxes(t, located[fqn], index))
+        else:
+            tensors[name] = _unflattened(fqn, t, orig, located[fqn], index, where)
     objects = {f"{'optimizer' if fqn.startswith('optimizer.') else 'model'}/{fqn}": v for fqn, v in values.items()}
     return tensors, objects
+
+
+def _megatron_name(fqn: str) -> str:
+    """omnickpt's name for a Megatron tensor key: optimizer state under its parameter, all else the model's."""
+    if fqn.startswith(_MEGATRON_OPTIMIZER):
+        state_key, _, param = fqn[len(_MEGATRON_OPTIMIZER):].partition(".")
+        if state_key and param:
+            return f"optimizer/state/{param}/{state_key}"
+    return f"model/{fqn}"
+
+
+def _nd_reformulated_shape(mcore: Any) -> Any:
+    """The original shape a tensor's `mcore_data` records when it was saved N-D flattened, else None (as yet
+    unchecked: it comes from the metadata pickle)."""
+    return mcore.get("nd_reformulated_orig_global_shape") if isinstance(mcore, dict) else None
+
+
+def _chunk_boxes(t: _DcpTensor, located: list[tuple[_Chunk, int]], index: dict[str, int]) -> list[SavedBox]:
+    """One box per stored chunk, at its located bytes; chunks with no elements store nothing and have none."""
+    return [SavedBox(c.offsets, c.sizes, index[c.item.path], at, math.prod(c.sizes) * t.dtype.itemsize, None)
+            for c, at in located if c.item is not None]
+
+
+def _unflattened(fqn: str, t: _DcpTensor, orig: Any, located: list[tuple[_Chunk, int]], index: dict[str, int],
+                 where: str) -> TensorEntry:
+    """An N-D flattened Megatron tensor as its original shape, each chunk's flat range as boxes in it."""
+    shape = _original_shape(fqn, t, orig, where)
+    block = tuple(s // f for s, f in zip(shape, t.shape))
+    boxes: list[SavedBox] = []
+    for c, at in located:
+        if c.item is not None:
+            boxes += _block_range_boxes(fqn, c, at, block, t.dtype.itemsize, index, where)
+    # The chunks were checked not to overlap in the flattened shape; checked again where they land.
+    problem = overlap_problem(shape, boxes)
+    if problem:
+        raise CorruptCheckpointError(f"{where}: Megatron tensor {fqn!r}: {problem}; the metadata is damaged")
+    return TensorEntry(shape, dtype_name(t.dtype), boxes)
+
+
+def _original_shape(fqn: str, t: _DcpTensor, orig: Any, where: str) -> tuple[int, ...]:
+    """`orig` as a shape that the stored shape [X // x, ..., x * y * ...] is a regular grid of."""
+    try:
+        shape = _size(orig)
+    except pickle.UnpicklingError:
+        shape = ()
+    n = len(shape)
+    if (not n or len(t.shape) != n + 1 or any(f < 1 or s % f for s, f in zip(shape, t.shape))
+            or math.prod(s // f for s, f in zip(shape, t.shape)) != t.shape[n]):
+        raise CorruptCheckpointError(
+            f"{where}: Megatron tensor {fqn!r} is stored flattened as shape {list(t.shape)}, which is no regular "
+            f"grid of its original shape {_brief.repr(orig)}; the checkpoint's metadata is damaged")
+    return shape
+
+
+def _block_range_boxes(fqn: str, c: _Chunk, at: int, block: tuple[int, ...], itemsize: int, index: dict[str, int],
+                       where: str) -> list[SavedBox]:
+    """The boxes of one chunk of an N-D flattened tensor: a flat range of one local block, whose bytes lie
+    contiguously from `at`."""
+    from omnickpt.layout import flat_range_to_boxes
+    n = len(block)
+    if any(size != 1 for size in c.sizes[:n]):
+        raise CorruptCheckpointError(
+            f"{where}: Megatron tensor {fqn!r}: chunk {list(c.offsets)}+{list(c.sizes)} spans several local "
+            "blocks of a flattened tensor; the metadata is damaged")
+    origin = tuple(o * b for o, b in zip(c.offsets[:n], block))
+    boxes = []
+    done = 0
+    for box in flat_range_to_boxes(block, c.offsets[n], c.sizes[n]):
+        offsets = tuple(o + b for o, b in zip(origin, box.offsets))
+        boxes.append(SavedBox(offsets, box.lengths, index[c.item.path], at + done * itemsize,
+                              box.numel * itemsize, None))
+        done += box.numel
+    return boxes
 
 
 def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: dict, index: dict[str, int],
@@ -104,31 +139,13 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
       names (a model's state dict saved flat): the module "model" (unless the state dict has a "model" entry);
     - anything else: one object, the nested value rebuilt, its tensors read into it.
     """
-    groups: dict[str, list[tuple[tuple, str]]] = {}
-    # A model's state dict saved flat (dcp.save(model.state_dict()), torchtitan) puts its tensors at the top
-    # level: parameter names hold dots, or (a model with no submodules, an nn.Linear's "weight") are the names
-    # the optimizer saved beside it keys its state by. Once one is, every top-level tensor is the model's;
-    # otherwise an optimizer beside them would be the checkpoint's only entry with tensors.
-    params = _optimizer_params(paths)
-    flat_model = "model" not in {str(p[0]) for p in paths.values()} and any(
-        len(p) == 1 and ("." in fqn or fqn in params) for fqn, p in paths.items() if fqn in parsed.tensors)
-    for fqn, path in paths.items():
-        top, sub = path[0], path[1:]
-        if flat_model and not sub and (fqn in parsed.tensors or fqn.endswith("_extra_state")):
-            top, sub = "model", (fqn,)
-        groups.setdefault(str(top), []).append((sub, fqn))
-    if any("/" in k or not k for k in groups):
-        bad = next(k for k in groups if "/" in k or not k)
-        raise UnsupportedError(f"{where}: the DCP state dict has a top-level key {bad!r}; omnickpt state keys are "
-                               "non-empty and hold no '/'")
+    groups = _groups(paths, parsed, where)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, Any] = {}
 
     def add_tensor(name: str, fqn: str) -> None:
         t = parsed.tensors[fqn]
-        boxes = [SavedBox(c.offsets, c.sizes, index[c.item.path], at, math.prod(c.sizes) * t.dtype.itemsize, None)
-                 for c, at in located[fqn] if c.item is not None]
-        tensors[name] = TensorEntry(t.shape, dtype_name(t.dtype), boxes)
+        tensors[name] = TensorEntry(t.shape, dtype_name(t.dtype), _chunk_boxes(t, located[fqn], index))
 
     def leaf(fqn: str) -> Any:
         if fqn in values:
@@ -136,22 +153,55 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
         return _read_whole(fqn, parsed.tensors[fqn], located[fqn], windows, budget, where)
 
     for key, members in groups.items():
-        subs = [s for s, _ in members]
-        optimizer = _optimizer_form(subs)
+        optimizer = _optimizer_form([s for s, _ in members])
         if optimizer is not None:
             objects[key] = _optimizer(key, members, optimizer, parsed, leaf, add_tensor)
         elif _module_form(members, parsed):
-            extra = {}
-            for (name,), fqn in members:
-                if fqn in parsed.tensors:
-                    add_tensor(f"{key}/{name}", fqn)
-                else:
-                    extra[name] = values[fqn]
+            extra = _module(key, members, parsed, values, add_tensor)
             if extra:
                 objects[key] = extra
         else:
             objects[key] = _nest([(s, leaf(f)) for s, f in members], key, where)
     return tensors, objects
+
+
+def _groups(paths: dict[str, tuple], parsed: _Parsed, where: str) -> dict[str, list[tuple[tuple, str]]]:
+    """The flat keys by top-level key (a flat model's under "model"), each as (sub-path, flat key)."""
+    flat_model = _flat_model(paths, parsed)
+    groups: dict[str, list[tuple[tuple, str]]] = {}
+    for fqn, path in paths.items():
+        top, sub = path[0], path[1:]
+        if flat_model and not sub and (fqn in parsed.tensors or fqn.endswith("_extra_state")):
+            top, sub = "model", (fqn,)
+        groups.setdefault(str(top), []).append((sub, fqn))
+    bad = next((k for k in groups if "/" in k or not k), None)
+    if bad is not None:
+        raise UnsupportedError(f"{where}: the DCP state dict has a top-level key {bad!r}; omnickpt state keys are "
+                               "non-empty and hold no '/'")
+    return groups
+
+
+def _flat_model(paths: dict[str, tuple], parsed: _Parsed) -> bool:
+    """Whether the top-level tensors are a model's state dict saved flat."""
+    # A model's state dict saved flat (dcp.save(model.state_dict()), torchtitan) puts its tensors at the top
+    # level: parameter names hold dots, or (a model with no submodules, an nn.Linear's "weight") are the names
+    # the optimizer saved beside it keys its state by. Once one is, every top-level tensor is the model's;
+    # otherwise an optimizer beside them would be the checkpoint's only entry with tensors.
+    params = _optimizer_params(paths)
+    return "model" not in {str(p[0]) for p in paths.values()} and any(
+        len(p) == 1 and ("." in fqn or fqn in params) for fqn, p in paths.items() if fqn in parsed.tensors)
+
+
+def _module(key: str, members: list[tuple[tuple, str]], parsed: _Parsed, values: dict,
+            add_tensor: Callable[[str, str], None]) -> dict[str, Any]:
+    """A module's tensors (through `add_tensor`), and its extra states, the object returned."""
+    extra = {}
+    for (name,), fqn in members:
+        if fqn in parsed.tensors:
+            add_tensor(f"{key}/{name}", fqn)
+        else:
+            extra[name] = values[fqn]
+    return extra
 
 
 def _optimizer_params(paths: dict[str, tuple]) -> set[str]:

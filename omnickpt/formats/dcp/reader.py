@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from omnickpt.errors import CheckpointError, UnsupportedError
-from omnickpt.format import FileEntry, Manifest, ObjectEntry, encode_object
+from omnickpt.format import FileEntry, Manifest, ObjectEntry, TensorEntry, encode_object
 from omnickpt.storage import Storage
 from omnickpt.storage.base import require_length
 from omnickpt.formats.dcp.archive import _WINDOW, _locate, _Windows
@@ -48,18 +48,26 @@ def read_manifest(storage: Storage) -> Manifest | None:
     megatron = _megatron_info(storage)
     files, index = _files(storage, parsed)
     _check_value_bytes(parsed, storage)
+    tensors, objects = _read_entries(storage, parsed, megatron, index)
+    world = 1 + max((f.rank for f in files), default=0)
+    layout: dict[str, Any] = {"format": "dcp", "world_size": world, "dcp_version": parsed.version}
+    implied = _implied_keys(parsed, megatron, tensors, objects)
+    if implied:
+        layout["implied_keys"] = implied
+    if megatron is not None:
+        layout["megatron"] = megatron
+    return Manifest(save_id=parsed.save_id or "dcp", world_size=world, files=files, tensors=tensors,
+                    objects={k: [_inline(v, k)] for k, v in objects.items()}, layout=layout)
+
+
+def _read_entries(storage: Storage, parsed: _Parsed, megatron: dict | None,
+                  index: dict[str, int]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """The checkpoint's tensors (each chunk located in its archive) and objects (values decoded), named.
+    Megatron's common.pt, read here, records what it skips in `megatron`."""
     budget = _Budget()
     with ThreadPoolExecutor(8, thread_name_prefix="omnickpt-dcp") as pool:
         windows = _Windows(storage, pool)
-        wanted: dict[str, list[tuple[int, int]]] = {}
-        for item in parsed.values.values():
-            wanted.setdefault(item.path, []).append((item.offset, item.offset + item.length))
-        for t in parsed.tensors.values():
-            for it in (c.item for c in t.chunks if c.item is not None):
-                head, tail = min(it.length, _WINDOW), max(0, it.length - _WINDOW)
-                wanted.setdefault(it.path, []).extend([(it.offset, it.offset + head),
-                                                       (it.offset + tail, it.offset + it.length)])
-        windows.prefetch(wanted)
+        windows.prefetch(_windows_wanted(parsed))
         located: dict[str, list[tuple[_Chunk, int]]] = {
             fqn: [(c, _locate(windows, fqn, t, c, storage.describe) if c.item is not None else -1) for c in t.chunks]
             for fqn, t in parsed.tensors.items()}
@@ -72,22 +80,32 @@ def read_manifest(storage: Storage) -> Manifest | None:
         else:
             tensors, objects = _entries(_paths(parsed), parsed, located, values, index, windows, storage.describe(""),
                                         budget)
-    world = 1 + max((f.rank for f in files), default=0)
-    layout: dict[str, Any] = {"format": "dcp", "world_size": world, "dcp_version": parsed.version}
-    # State keys the checkpoint does not hold but this reader chose (like "model" for a Hugging Face
-    # folder), so that the api may bind them to the state's own keys.
+    return tensors, objects
+
+
+def _windows_wanted(parsed: _Parsed) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges to read up front, by file: every value whole, and each tensor chunk's head and tail
+    (its archive's headers and data.pkl, and its central directory)."""
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for item in parsed.values.values():
+        wanted.setdefault(item.path, []).append((item.offset, item.offset + item.length))
+    for t in parsed.tensors.values():
+        for it in (c.item for c in t.chunks if c.item is not None):
+            head, tail = min(it.length, _WINDOW), max(0, it.length - _WINDOW)
+            wanted.setdefault(it.path, []).extend([(it.offset, it.offset + head),
+                                                   (it.offset + tail, it.offset + it.length)])
+    return wanted
+
+
+def _implied_keys(parsed: _Parsed, megatron: dict | None, tensors: dict[str, TensorEntry],
+                  objects: dict[str, Any]) -> list[str]:
+    """State keys the checkpoint does not hold but this reader chose (like "model" for a Hugging Face
+    folder), so that the api may bind them to the state's own keys."""
     if megatron is not None:
-        implied = sorted({n.split("/", 1)[0] for n in [*tensors, *objects]} & {"model", "optimizer"})
-    elif "model" not in _top_keys(parsed) and any(n.startswith("model/") for n in tensors):
-        implied = ["model"]
-    else:
-        implied = []
-    if implied:
-        layout["implied_keys"] = implied
-    if megatron is not None:
-        layout["megatron"] = megatron
-    return Manifest(save_id=parsed.save_id or "dcp", world_size=world, files=files, tensors=tensors,
-                    objects={k: [_inline(v, k)] for k, v in objects.items()}, layout=layout)
+        return sorted({n.split("/", 1)[0] for n in [*tensors, *objects]} & {"model", "optimizer"})
+    if "model" not in _top_keys(parsed) and any(n.startswith("model/") for n in tensors):
+        return ["model"]
+    return []
 
 
 def _check_value_bytes(parsed: _Parsed, storage: Storage) -> None:
