@@ -21,6 +21,7 @@ from torch import nn
 
 import omnickpt
 import omnickpt.api
+import omnickpt.saving
 from omnickpt.cli.verify import verify
 from omnickpt.errors import CheckpointError, NotCommittedError, UnsafeCheckpointError
 from omnickpt.format import FileEntry, Manifest
@@ -71,14 +72,14 @@ class _Held:
 
     def __init__(self, monkeypatch, folder: str):
         self.entered, self.go = threading.Event(), threading.Event()
-        real = omnickpt.api.persist
+        real = omnickpt.saving.persist
 
         def persist(storage, *args, **kwargs):
             if storage.describe().rstrip("/").endswith(folder):
                 self.entered.set()
                 assert self.go.wait(60)
             return real(storage, *args, **kwargs)
-        monkeypatch.setattr(omnickpt.api, "persist", persist)
+        monkeypatch.setattr(omnickpt.saving, "persist", persist)
 
 
 # ---------------------------------------------------------------------- garbage collection

@@ -414,18 +414,27 @@ class Incremental:
     block_bytes: int
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """How persist encodes a rank's writes. `compression`: a codec of format/codec.py (None: the
+    writes' bytes as they are); `itemsizes`: the element size of each write's tensor; `codecs`: per
+    write a codec other than `compression` or None (quantize_optimizer=); `dtypes`: the writes'
+    tensors' dtypes."""
+    compression: str | None = None
+    itemsizes: Sequence[int] = ()
+    codecs: Sequence[str | None] = ()
+    dtypes: Sequence[str] = ()
+
+
 @gc_paused()
 def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None, *,
-            durable: bool, timer: PhaseTimer, compression: str | None = None,
-            itemsizes: Sequence[int] = (), incremental: Incremental | None = None,
-            codecs: Sequence[str | None] = (), dtypes: Sequence[str] = ()) -> RankResult:
-    """Write this rank's data file and checksum what it wrote. With `compression` (a codec of
-    format/codec.py; `itemsizes`: the element size of each write's tensor), each CHUNK_BYTES
-    chunk of each write is compressed on its own and the file laid out anew (RankResult.offsets,
-    .stored); the checksums are those of the stored bytes. `codecs`: per write a codec other
-    than `compression` or None (quantize_optimizer=), `dtypes` the writes' tensors' dtypes. With
-    `incremental`, only the blocks
-    that changed since its base are written (RankResult.pieces)."""
+            durable: bool, timer: PhaseTimer, encoding: Encoding = Encoding(),
+            incremental: Incremental | None = None) -> RankResult:
+    """Write this rank's data file and checksum what it wrote. With `encoding.compression`, each
+    CHUNK_BYTES chunk of each write is compressed on its own and the file laid out anew
+    (RankResult.offsets, .stored); the checksums are those of the stored bytes. With
+    `incremental`, only the blocks that changed since its base are written (RankResult.pieces)."""
+    compression, itemsizes, codecs, dtypes = encoding.compression, encoding.itemsizes, encoding.codecs, encoding.dtypes
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
     if incremental is not None:

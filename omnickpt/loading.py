@@ -1,0 +1,232 @@
+"""The load flow: one load on one rank (_LoadJob) in three phases, each ended by one all-gather
+that settles every rank's outcome: plan (match, plan reads, read objects), read (land and verify
+every byte), install. The Checkpointer (omnickpt.api) owns the resources it uses (threads, staging
+pool, communicators); the save side is omnickpt.saving."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from omnickpt.adapters import collect_load
+from omnickpt.comm import Comm
+from omnickpt.engine import read_objects
+from omnickpt.engine.load import check_file_sizes, forward_replicas, land_tensors
+from omnickpt.engine.staging import gc_paused
+from omnickpt.errors import MismatchError
+from omnickpt.format import MANIFEST_NAME, Manifest
+from omnickpt.formats import bind_keys, read_manifest
+from omnickpt.layout import Box
+from omnickpt.monitor import PhaseTimer, summarize
+from omnickpt.planner import plan_reads
+from omnickpt.planner.load_plan import assign_readers, item_key
+from omnickpt.planner.match import LoadMatch, Selection, match_targets
+from omnickpt.saving import _same_path
+from omnickpt.storage import Storage, storage_for
+from omnickpt.storage.linked import with_siblings
+
+if TYPE_CHECKING:
+    from omnickpt.api import Checkpointer
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What load() returns: the differences it skipped (strict=False) and the timing report."""
+    differences: list[str]
+    report: dict
+
+
+def _bind_foreign(manifest: Manifest, state: dict) -> Manifest:
+    """A Hugging Face folder holds one module's tensors, read under the key "model"; a DCP folder
+    with no state keys of its own (a flat model state dict, Megatron torch_dist) names the keys
+    its reader chose in layout["implied_keys"]. Each loads into the state's only module (or
+    optimizer) whatever its key."""
+    implied = ["model"] if manifest.layout.get("format") == "hf" else manifest.layout.get("implied_keys") or []
+    moves = {}
+    for key, kind in (("model", torch.nn.Module), ("optimizer", torch.optim.Optimizer)):
+        found = [k for k, v in state.items() if isinstance(v, kind)]
+        if key in implied and key not in state and len(found) == 1:
+            moves[key] = found[0]
+    return bind_keys(manifest, moves) if moves else manifest
+
+
+def load(ckpt: Checkpointer, path: str, state: dict, *, strict: bool, allow_pickle: bool, process_group: Any,
+         verify: bool, dedup_reads: bool, transforms: Sequence[Any], cast: bool, include: Sequence[str],
+         exclude: Sequence[str]) -> LoadResult:
+    """Every rank: Checkpointer.load, with `ckpt`'s threads, staging pool and communicators."""
+    t_start = time.perf_counter()
+    ckpt._await_snapshots()   # a lazy snapshot still copying would copy the loaded values
+    path = str(path)
+    comm = ckpt.comm(process_group)
+    job = _LoadJob(path, storage_for(path), state, PhaseTimer())
+    job.raw_manifest = _shared_manifest(job, comm)
+    error = None
+    try:
+        with job.timer.phase("plan"):
+            _plan_load(job, comm, transforms, Selection(include, exclude), cast, strict)
+        if not (strict and job.differences):
+            _check_objects(job, comm, allow_pickle, strict)
+    except Exception as e:
+        error = e
+    dedup = dedup_reads and comm.world_size > 1
+    wants = [(item_key(it), it.nbytes) for it in job.items] if dedup and error is None else []
+    where = _where(job)
+    gathered = comm.settle(f"load from {path}, step plan", error,
+                           (sorted(job.unexpected), sorted(set(job.differences))[:20], wants, where))
+    _same_path([g[3] for g in gathered], "load")
+    differences = _agree_on_differences(job, gathered, strict)
+
+    forward, mine, landing = None, list(range(len(job.items))), None
+    try:
+        if dedup:
+            with job.timer.phase("plan"):
+                forward = assign_readers([g[2] for g in gathered])
+                readers = {key: reader for key, reader, _ in forward}
+                mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), comm.rank) == comm.rank]
+        landing = land_tensors(job.storage, job.manifest, [job.items[i] for i in mine], job.boxes,
+                               job.match.dests, ckpt._io, verify=verify, timer=job.timer,
+                               budget=ckpt.landing_bytes, pool=ckpt._pool)
+    except Exception as e:
+        error = e
+    # Every rank learns whether every rank read sound bytes before anything is installed (and
+    # a reader that failed never leaves its peers waiting for forwarded bytes).
+    try:
+        comm.settle(f"load from {path}, step read", error)
+    except BaseException:
+        if landing is not None:
+            landing.discard()
+        raise
+
+    try:
+        _install(job, comm, landing, forward, mine)
+    except Exception as e:
+        error = e
+    timings = comm.settle(f"load from {path}, step install", error, job.timer.as_dict())
+    report = summarize("load", timings, total_seconds=time.perf_counter() - t_start)
+    report["path"] = job.storage.describe()
+    if job.manifest is not None and job.manifest.quantized:
+        # Lossy: the loaded values of these tensors differ from the saved ones by up to max_error.
+        loaded = {it.name for it in job.items}
+        report["quantized"] = {n: q for n, q in job.manifest.quantized.items() if n in loaded}
+    return LoadResult(differences, report)
+
+
+@gc_paused()
+def _plan_load(job: _LoadJob, comm: Comm, transforms: Sequence[Any], select: Selection, cast: bool,
+               strict: bool) -> None:
+    """Every rank, no collective: read the manifest, prepare and match the targets, plan the
+    reads and check that the files hold the bytes planned."""
+    manifest = _bind_foreign(read_manifest(job.storage, job.raw_manifest), job.state)
+    # An incremental checkpoint's unchanged blocks lie in files of checkpoints next to it.
+    job.storage = with_siblings(job.storage, job.path, manifest.files)
+    for transform in transforms:   # rewrite the manifest into the target's naming and fusing (pure)
+        manifest = transform.apply(manifest)
+    job.manifest = manifest
+    job.targets = [(k, t) for k, t in collect_load(job.state) if select.entry(k)]
+    for _, t in job.targets:
+        if t.prepare is not None:
+            job.differences += t.prepare(manifest) or []
+    job.match = match_targets(manifest, job.targets, select, cast=cast)
+    job.differences += job.match.differences
+    job.unexpected = job.match.unexpected
+    if strict and job.differences:
+        return   # the load fails at the exchange, listing them: plan nothing
+    job.items = plan_reads(manifest, job.match.wanted)
+    # Sizes first: a truncated file fails the load before anything is read.
+    check_file_sizes(job.storage, manifest, job.items,
+                     [(k, manifest.object_for_rank(k, comm.rank)) for k in job.match.object_keys]
+                     + [(k, e) for k in job.match.all_rank_keys for e in manifest.objects[k]])
+
+def _check_objects(job: _LoadJob, comm: Comm, allow_pickle: bool, strict: bool) -> None:
+    """Every rank, no collective. Objects are small: read and checked before the exchange, so
+    that one that is corrupt, needs pickle or does not fit its target fails the load on every
+    rank before any tensor is read."""
+    job.objects = read_objects(job.storage, job.manifest, job.match.object_keys, comm.rank,
+                               allow_pickle=allow_pickle, timer=job.timer, all_ranks=job.match.all_rank_keys)
+    found = [d for _, t in job.targets if t.check is not None for d in t.check(job.objects)]
+    job.differences += found
+    if strict and found:
+        job.items = []
+
+@gc_paused()
+def _install(job: _LoadJob, comm: Comm, landing, forward, mine: list[int]) -> None:
+    """Every rank: copy the verified bytes into the targets, forward replicas (point-to-point
+    with the ranks that wanted the same bytes), convert cast tensors, let each target finish
+    (load_state_dict, plain values written back)."""
+    filled = landing.install(compacts=forward is not None)
+    if forward is not None:
+        forward_replicas(job.items, dict(zip(mine, filled)), forward, job.boxes, job.match.dests, comm.rank,
+                         comm.group, job.timer)
+    with torch.no_grad():
+        for target, landed in job.match.casts:
+            target.detach().copy_(landed)
+    with job.timer.phase("install"):
+        for _, t in job.targets:
+            t.finish(job.objects)
+
+
+def _shared_manifest(job: _LoadJob, comm: Comm) -> bytes | None:
+    """Every rank (one broadcast with several ranks): the manifest's bytes, read from storage by
+    the coordinator alone, so that a restart of N ranks reads it once, not N times (8192 ranks each
+    reading a 200 MB manifest from one store is 1.6 TB). None where the coordinator could not read
+    ours (a foreign format, nothing committed, a storage error): every rank then reads for itself
+    in the plan phase and meets the error there, where it is settled."""
+    raw = None
+    if comm.is_coordinator:
+        try:
+            raw = job.storage.read_bytes(MANIFEST_NAME)
+            job.timer.count("metadata", len(raw))
+        except Exception:
+            raw = None
+    if comm.world_size == 1:
+        return raw
+    where, raw = comm.broadcast_object((_where(job), raw), step=f"load from {job.path}, step metadata")
+    # A rank given another path reads its own (the plan phase then refuses the differing paths).
+    return raw if where == _where(job) else None
+
+
+def _where(job: _LoadJob) -> str:
+    """The checkpoint a load reads, comparable across ranks: shm:// is per machine, so the same URL
+    is the same checkpoint whatever $OMNICKPT_SHM_DIR is."""
+    return job.path if job.path.startswith("shm://") else job.storage.describe()
+
+
+@dataclasses.dataclass
+class _LoadJob:
+    """One load on one rank, as its phases fill it in."""
+    path: str
+    storage: Storage
+    state: dict
+    timer: PhaseTimer
+    manifest: Manifest | None = None
+    targets: list = dataclasses.field(default_factory=list)
+    match: LoadMatch = dataclasses.field(default_factory=LoadMatch)
+    items: list = dataclasses.field(default_factory=list)
+    objects: dict = dataclasses.field(default_factory=dict)
+    differences: list[str] = dataclasses.field(default_factory=list)
+    unexpected: set[str] = dataclasses.field(default_factory=set)
+    raw_manifest: bytes | None = None    # read by the coordinator, shared with every rank
+
+    @property
+    def boxes(self) -> list[Box]:
+        return [b for _, b in self.match.wanted]
+
+
+def _agree_on_differences(job: _LoadJob, gathered: list, strict: bool) -> list[str]:
+    """Every rank, from the plan exchange: the differences of the whole job. A checkpoint tensor is
+    unexpected only if no rank wants it (pipeline stages each hold different modules). With
+    strict=True any difference on any rank fails the load on every rank, listing them."""
+    unwanted = set.intersection(*(set(g[0]) for g in gathered))
+    differences = sorted(set(job.differences) | {f"{n}: in the checkpoint but not in the target state"
+                                                  for n in unwanted})
+    if strict and differences:
+        raise MismatchError(
+            f"checkpoint {job.path} does not match the state to load ({len(differences)} difference(s); pass "
+            "strict=False to load what matches):\n  " + "\n  ".join(differences), differences)
+    if strict and any(g[1] for g in gathered):
+        theirs = [f"rank {r}: {d}" for r, g in enumerate(gathered) for d in g[1]]
+        raise MismatchError(f"checkpoint {job.path} does not match the state to load on other ranks; pass "
+                            "strict=False to load what matches:\n  " + "\n  ".join(theirs), theirs)
+    return differences

@@ -1,0 +1,756 @@
+"""The save flow: the options of a save (SaveOptions, validated once) and the save job (_SaveJob),
+one save on one rank in named phases: collect, agree, plan, snapshot, persist, commit. The
+Checkpointer (omnickpt.api) owns the resources a job uses (threads, staging pool, plan cache,
+communicators) and turns a job into a SaveHandle; the load side is omnickpt.loading."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from omnickpt import commit
+from omnickpt.version import __version__
+from omnickpt.adapters import collect_save
+from omnickpt.comm import Comm
+from omnickpt.engine import RankResult, build_manifest, collect_garbage, persist, snapshot
+from omnickpt.engine.incremental import BLOCK_BYTES, Base, WriteMeta
+from omnickpt.engine.save import Encoding, Incremental, data_file_name, stage_layout
+from omnickpt.engine.staging import gc_paused
+from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
+from omnickpt.errors import (CheckpointError, NotCommittedError, PlanError, UnsafeCheckpointError, UnsupportedError,
+                             rebuild_error)
+from omnickpt.format import DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
+from omnickpt.format.codec import check_codec
+from omnickpt.format.quant import check_scheme, is_moment, quantizable
+from omnickpt.steps import References
+from omnickpt.lease import acquire
+from omnickpt.monitor import PhaseTimer, summarize
+from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, structure_digest, write_items
+from omnickpt.storage import Storage, storage_for
+from omnickpt.storage.linked import LinkedStorage, check_sibling_name, sibling_path, split_reference
+
+if TYPE_CHECKING:
+    from omnickpt.api import Checkpointer
+
+REPORT_NAME = "report.json"
+log = logging.getLogger("omnickpt")
+_PLAN_CACHE_SIZE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """Everything a save may vary, checked once here whatever path built it (omnickpt.save,
+    Checkpointer.save, the managers). See omnickpt.save for what each does. Adding an option: a
+    field here (with its check in __post_init__) and the one phase of _SaveJob that uses it."""
+    async_save: bool = False
+    process_group: Any = dataclasses.field(default=None, compare=False)
+    allow_pickle: bool = False
+    durable: bool = True
+    check_replicas: bool = False
+    role: str | None = None
+    metadata: dict | None = None          # checked (JSON) in the collect phase, where every rank learns of it
+    on_commit: Callable[[Manifest], None] | None = dataclasses.field(default=None, compare=False)
+    compression: str | None = None
+    snapshot: str | None = None           # "lazy" (the default of async saves) or "eager"
+    incremental: bool = False
+    base: str | None = None
+    full_every: int | None = None
+    block_bytes: int | None = None
+    quantize_optimizer: str | None = None
+
+    def __post_init__(self) -> None:
+        check_codec(self.compression)
+        if self.snapshot not in (None, "lazy", "eager"):
+            raise ValueError(f"snapshot={self.snapshot!r}: expected 'lazy' (the default of async saves) or 'eager'")
+        self._check_incremental()
+        check_scheme(self.quantize_optimizer)
+        if self.quantize_optimizer is not None and self.incremental:
+            raise UnsupportedError(f"incremental=True with quantize_optimizer={self.quantize_optimizer!r}: an "
+                                   "incremental save writes raw blocks; use one or the other")
+
+    def _check_incremental(self) -> None:
+        base, full_every, block_bytes = self.base, self.full_every, self.block_bytes
+        if not self.incremental and (base is not None or full_every is not None or block_bytes is not None):
+            raise ValueError("base=, full_every= and block_bytes= are options of incremental saves: pass "
+                             "incremental=True")
+        if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int)
+                                        or block_bytes < 1):
+            raise ValueError(f"block_bytes={block_bytes!r}: must be a positive int (bytes of rows per hashed block)")
+        if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int)
+                                       or full_every < 1):
+            raise ValueError(f"full_every={full_every!r}: must be a positive int (a full save every that many saves)")
+        if self.incremental and self.compression is not None:
+            raise UnsupportedError(f"incremental=True with compression={self.compression!r}: an incremental save "
+                                   "writes raw blocks; use one or the other")
+
+    @classmethod
+    def of(cls, options: SaveOptions | None, keywords: Mapping[str, Any]) -> SaveOptions:
+        """`options` with `keywords` (today's keywords of save()) replacing its fields; an unknown
+        keyword is a TypeError naming it."""
+        if options is None:
+            return cls(**keywords)
+        return dataclasses.replace(options, **keywords) if keywords else options
+
+    @property
+    def lazy(self) -> bool:
+        """An async save copies parameters and optimizer state in the background unless snapshot="eager"."""
+        return self.async_save and self.snapshot != "eager"
+
+    @property
+    def codec(self) -> str | None:
+        """The codec of the data file's chunks: quantized chunks need the chunked layout ("none" elsewhere)."""
+        return self.compression or ("none" if self.quantize_optimizer else None)
+
+
+class _SaveJob:
+    """One save on one rank, as its phases fill it in (the save side of loading._LoadJob). The
+    Checkpointer calls, on every rank: collect, agree, plan, snapshot on the training thread (the
+    stall), then run() (persist, then commit) there for a sync save or on its persist thread for an
+    async one."""
+
+    def __init__(self, ckpt: Checkpointer, path: str, state: dict, options: SaveOptions, t_start: float):
+        self.t_start = t_start   # when save() was called: the stall counts from here
+        self.ckpt, self.path, self.state, self.options = ckpt, path, state, options
+        self.comm = ckpt.comm(options.process_group)
+        self.storage = storage_for(path)
+        self.timer = PhaseTimer()
+        _reset_peak_rss(self.timer)
+        self.collected = _Collected()
+        self.chain: tuple | None = None          # incremental (coordinator): the base, as _chain_base found it
+        self.held: References | None = None      # incremental (coordinator): reference records on its base folders
+        self.gathered: list = []
+        self.save_id = ""
+        self.writes, self.tensor_region, self.global_plan = None, 0, None
+        self.snap = None
+        self.fence: SnapshotFence | None = None
+        self.encoding = Encoding()               # how persist encodes this rank's writes
+        self.incremental: Callable[[], tuple] | None = None
+
+    @property
+    def where(self) -> str:
+        return self.storage.describe()
+
+    # -------------------------------------------------------------- on the training thread
+    def collect(self) -> Exception | None:
+        """Every rank, no collective: adapters, records, objects encoded; the coordinator of an
+        incremental save finds its base. Returns the error, settled by agree()."""
+        try:
+            self.collected = _collect(self.state, self.comm, self.timer, self.options)
+            o = self.options
+            if o.incremental and self.comm.is_coordinator:
+                with self.timer.phase("plan"):
+                    self.chain, self.held = _chain_base(self.path, o.base, o.full_every, o.block_bytes or BLOCK_BYTES,
+                                                        self.ckpt._committed.get(id(self.comm)), holder=self.ckpt._job)
+        except Exception as e:  # every rank must learn of it, or the others hang in the exchange
+            return e
+        return None
+
+    def agree(self, error: Exception | None) -> None:
+        """Every rank, one all-gather (comm.settle): digests, the save id, paths, replica sums,
+        table digests, the base; any rank's error raised on every rank."""
+        c = self.collected
+        with self.timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
+            self.gathered = self.comm.settle(f"save to {self.path}, step plan", error,
+                                             (c.digest, uuid.uuid4().hex[:16], self.where, c.replicas,
+                                              c.batch.table_digest if c.batch is not None else None, self.chain))
+        if self.options.check_replicas:
+            _check_replicas([g[3] for g in self.gathered], self.path)
+        # Each rank would write its file where it was told and the manifest would name files that
+        # are not there: refuse before writing anything.
+        _same_path([g[2] for g in self.gathered], "save")
+        self.save_id = self.gathered[0][1]
+
+    def plan(self) -> None:
+        """Every rank: this rank's writes (a gather and a scatter unless the plan is cached), then
+        how each write is encoded (compression, quantized moments, incremental blocks)."""
+        with self.timer.phase("plan"):
+            self.writes, self.tensor_region, self.global_plan = _global_plan(
+                self.ckpt._plans.setdefault(id(self.comm), {}), self.comm, tuple(g[0] for g in self.gathered),
+                self.collected.batch, self.path, tables=[g[4] for g in self.gathered])
+        o = self.options
+        # Only a save that encodes its chunks needs each write's tensor (not on every save's way out).
+        shards = [self.collected.shards[w.index] for w in self.writes] if o.compression or o.quantize_optimizer else []
+        codecs = _quantized_writes(self.state, shards, o.quantize_optimizer)
+        self.encoding = Encoding(o.codec, [s.local.element_size() for s in shards], codecs,
+                                 [dtype_name(s.dtype) for s in shards] if codecs else ())
+        if o.incremental:
+            self.incremental = _incremental_job(self.gathered[0][5], self.collected, self.writes, self.path)
+
+    def snapshot(self) -> bool:
+        """Every rank, no collective: the part of the save training waits for (the stall ends
+        here). A lazy snapshot leaves the copy of parameters and optimizer state to a background
+        thread, behind a SnapshotFence. Returns whether save() must wait for the fence."""
+        stable = step_stable_storages(self.state) if self.options.lazy else frozenset()
+        snap, blocking = _snapshot(self.ckpt._pool, self.collected, self.writes, self.tensor_region, self.timer,
+                                   self.options.async_save, stable)
+        if snap.deferred is not None or snap.references:
+            # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
+            # written from their own memory stay fenced until written (save() itself waits when
+            # training could change them otherwise than by a step).
+            self.fence = SnapshotFence(optimizers_in(self.state) if self.options.lazy else [], f"save to {self.path}")
+            snap.release, snap.blocking = self.fence.release, blocking
+            self.ckpt._fences.append(self.fence)
+            if snap.deferred is not None:
+                self.ckpt._snapshot_thread().submit(snap.finish, self.timer)
+        if not snap.blocking:
+            self.timer.add("stall", time.perf_counter() - self.t_start)
+        self.snap = snap
+        return snap.blocking
+
+    # -------------------------------------------------------------- after the snapshot
+    def run(self) -> dict | None:
+        """Every rank, after the snapshot (in the background for an async save): persist, then
+        commit; the report (None on a rank other than the coordinator of an async save). The
+        coordinator holds the checkpoint path's lease from before any byte is written until after
+        the commit and garbage collection, so that a second live job writing the same path is
+        refused instead of deleting this job's files (the lease is taken here, not on the stall
+        path). A failed save gives its reference records back too."""
+        try:
+            lease, locked = None, None
+            if self.comm.is_coordinator:
+                try:
+                    lease = acquire(self.storage, self.ckpt._job, what="checkpoint")
+                except CheckpointError as e:
+                    locked = e
+            try:
+                result, header = self.persist(locked)
+                return self.commit(result, header, lease)
+            finally:
+                if lease is not None:
+                    lease.release()
+        finally:
+            if self.held is not None:
+                self.held.release()
+
+    def persist(self, locked: CheckpointError | None = None) -> tuple[RankResult, dict | None]:
+        """Every rank, no collective: finish a lazy snapshot's copies, write and checksum this
+        rank's data file. A failure becomes the rank's result (its file removed). Returns (the
+        result, the manifest's incremental header or None)."""
+        o, snap, timer, rank = self.options, self.snap, self.timer, self.comm.rank
+        header = None
+        try:
+            if locked is not None:
+                raise locked
+            snap.finish(timer)   # a lazy snapshot's copies (made on the copier thread: waited for here)
+            rank_inc = None
+            if self.incremental is not None:
+                rank_inc, header = self.incremental()
+            result = persist(self.storage, snap, rank, self.save_id, self.ckpt._io, durable=o.durable, timer=timer,
+                             encoding=self.encoding, incremental=rank_inc)
+        except Exception as e:
+            result = RankResult(rank, None, 0, [], error=f"rank {rank}: {type(e).__name__}: {e}",
+                                error_class=type(e).__name__)
+            _discard_own_file(self.storage, self.save_id, rank)   # the space comes back now
+        finally:
+            if snap.staging is not None:
+                self.ckpt._pool.release(snap.staging, keep=not self.ckpt.release_staging)
+            _count_peak_rss(timer)
+            if snap.blocking:   # save() returns when the fence opens, just below
+                timer.add("stall", time.perf_counter() - self.t_start)
+            timings = timer.as_dict()
+            snap.settle()   # after the timings: a blocked save() goes on and the training thread uses the timer
+        result.timings = timings
+        return result, header
+
+    def commit(self, result: RankResult, header: dict | None, lease) -> dict | None:
+        """Every rank: hand this rank's result to the coordinator, which commits (writes the
+        manifest) or fails the save; the coordinator's verdict raised on every rank. Sync: a gather
+        and a broadcast. Async: through storage (commit.post_record, await_records), never a
+        collective from the background thread (it could interleave with the training loop's)."""
+        comm, storage, save_id = self.comm, self.storage, self.save_id
+        if self.options.async_save:
+            try:
+                commit.post_record(storage, save_id, comm.rank, dataclasses.asdict(result))
+            except Exception as e:
+                # Report the first failure (the data write), not the record that could not follow it.
+                _discard_own_file(storage, save_id, comm.rank)
+                if result.error:
+                    raise rebuild_error(result.error_class, result.error) from e
+                raise CheckpointError(f"rank {comm.rank}: could not report to the coordinator: {e}") from e
+            if not comm.is_coordinator:
+                if result.error:
+                    raise rebuild_error(result.error_class, result.error)
+                return None
+            results = self._await_results()
+            outcome, report = self._commit(results, lease, header)
+            if outcome is not None:
+                raise rebuild_error(*outcome)
+            return report
+        results = comm.gather_object(result, step=f"save to {self.where}, step commit")
+        outcome, report = (None, None)
+        if comm.is_coordinator:
+            outcome, report = self._commit(results, lease, header)
+        outcome, report = comm.broadcast_object((outcome, report), step=f"save to {self.where}, step commit")
+        if outcome is not None:
+            _discard_own_file(storage, save_id, comm.rank)   # node-local storage: the coordinator cannot
+            raise rebuild_error(*outcome)
+        return report
+
+    def _await_results(self) -> list[RankResult]:
+        """Coordinator of an async save: every rank's record (commit.await_records). A failure
+        record, or ranks missing at the timeout, fail the save at once: its files go (ranks still
+        writing leave theirs to the next save's garbage collection) and the error is raised."""
+        try:
+            records = commit.await_records(self.storage, self.save_id, self.comm.world_size, self.ckpt.timeout,
+                                           f"save to {self.where}")
+        except CheckpointError as e:   # the status is set already
+            _fail(self.storage, self.save_id, type(e).__name__, str(e), status=False)
+            raise
+        return [RankResult(**d) for d in records]
+
+    def _committed(self, manifest: Manifest) -> None:
+        """Coordinator, after the commit: the default base of this process group's next
+        incremental save, the reference records given back, then the caller's on_commit."""
+        self.ckpt._committed[id(self.comm)] = self.path
+        if self.held is not None:
+            # Committed: the manifest now names what this save references, so the records that
+            # protected it go before the caller's retention runs (which would keep their folders whole).
+            self.held.release()
+        if self.options.on_commit is not None:
+            self.options.on_commit(manifest)
+
+    def _commit(self, results: list[RankResult], lease=None, incremental: dict | None = None):
+        """Coordinator only. Returns (None or (error class name, message), report). A failed save's
+        data files are removed (the previous checkpoint's are never touched: their names carry
+        another save id); a committed one is never removed, even if a step after it failed."""
+        storage, save_id = self.storage, self.save_id
+        failed = [r for r in results if r.error]
+        if failed:
+            msg = "; ".join(r.error for r in failed) + " (nothing was committed; the previous checkpoint is untouched)"
+            return _fail(storage, save_id, failed[0].error_class, msg), None
+        lost = lease.lost() if lease is not None else None
+        if lost:
+            return _fail(storage, save_id, "CheckpointLockedError",
+                         f"{lost}; this save was not committed (the previous checkpoint is untouched)"), None
+        committed = False
+        try:
+            t0 = time.perf_counter()
+            manifest = build_manifest(self.global_plan, results, save_id=save_id, layout=self.collected.layout,
+                                      tool_version=__version__, incremental=incremental)
+            storage.commit(MANIFEST_NAME, manifest.encode())
+            committed = True
+            commit_seconds = time.perf_counter() - t0
+            results[0].timings["seconds"]["commit"] = commit_seconds
+            rank0 = results[0].timings
+            if "t0" in rank0:   # the commit on rank 0's timeline (its timer is not at hand here)
+                rank0.setdefault("events", []).append(["commit", time.time() - rank0["t0"] - commit_seconds,
+                                                       commit_seconds])
+            report = _report(storage, save_id, results, time.perf_counter() - self.t_start, incremental)
+            _put_json(storage, REPORT_NAME, report)
+            commit.set_status(storage, save_id)
+            collect_garbage(storage, manifest)
+            self._committed(manifest)
+            return None, report
+        except Exception as e:
+            if committed:
+                msg = (f"the checkpoint was committed, but rank 0 failed after the commit: {type(e).__name__}: {e}")
+                commit.set_status(storage, save_id, (type(e).__name__, msg))
+                return (type(e).__name__, msg), None
+            msg = (f"commit by rank 0 failed: {type(e).__name__}: {e} (nothing was committed; the previous checkpoint "
+                   "is untouched)")
+            return _fail(storage, save_id, type(e).__name__, msg), None
+
+
+def _report(storage: Storage, save_id: str, results: list[RankResult], total_seconds: float,
+            incremental: dict | None) -> dict:
+    """Coordinator, at the commit: the save's report (report.json, what wait() returns)."""
+    report = summarize("save", [r.timings for r in results], total_seconds=total_seconds)
+    report["path"] = storage.describe()
+    report["save_id"] = save_id
+    peaks = [r.timings.get("bytes", {}).get("peak_rss") for r in results]
+    if all(p is not None for p in peaks):
+        report["peak_rss_mb"] = [p / 2**20 for p in peaks]
+    if incremental is not None:
+        report["incremental"] = {
+            "base": incremental["base"], "chain": incremental["chain"],
+            "written_bytes": sum(r.bytes for r in results),
+            "referenced_bytes": sum(r.timings.get("bytes", {}).get("referenced", 0) for r in results)}
+    return report
+
+
+def _fail(storage: Storage, save_id: str, error_class: str, msg: str, status: bool = True) -> tuple[str, str]:
+    """Coordinator: mark the save failed and remove its data files (all ranks' where the storage
+    is shared), so that a full disk gets its space back and the next save can succeed."""
+    if status:
+        commit.set_status(storage, save_id, (error_class, msg))
+    try:
+        for rel in storage.list(DATA_DIR):
+            if rel.rsplit("/", 1)[-1].startswith(f"{save_id}-"):
+                storage.delete(rel)
+    except Exception as e:   # the storage may be what failed; the save's own error matters more
+        log.warning("omnickpt: could not remove the files of the failed save in %s: %s", storage.describe(), e)
+    return error_class, msg
+
+
+def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None) -> tuple:
+    """Every rank: (this rank's writes, the size of its file's tensor region, the global plan
+    (coordinator only)). A cached plan costs no collective; otherwise the coordinator plans
+    from every rank's records (a gather) and hands each rank its part (a scatter).
+
+    `plans`: the Checkpointer's LRU of this process group: every member makes the same saves on it
+    in the same order, so all members hold the same entries and hit or miss together (saves on other
+    groups must not evict entries here)."""
+    cached = plans.get(digests)
+    if cached is not None:
+        plans[digests] = plans.pop(digests)   # most recently used last
+        return cached
+    # Records travel as arrays. With every rank's table digest (RecordBatch.table_digest, from
+    # an all-gather already made), a rank whose tensor table (names, shapes, dtypes) a lower
+    # rank also holds leaves it out: the coordinator receives each table once (FSDP: one in all).
+    if tables is not None and list(tables).index(batch.table_digest) != comm.rank:
+        batch = batch.without_table()
+    all_batches = comm.gather_object(batch, step=f"save to {path}, step plan")
+    parts, plan = None, None
+    if comm.is_coordinator:
+        try:
+            plan = build_global_plan(all_batches)
+            parts = [(plan.write_arrays(r), plan.tensor_bytes[r], None) for r in range(comm.world_size)]
+        except CheckpointError as e:
+            parts = [(None, 0, (type(e).__name__, str(e)))] * comm.world_size
+    arrays, tensor_region, err = comm.scatter_object(parts, step=f"save to {path}, step plan")
+    if err is not None:
+        raise rebuild_error(err[0], f"planning the save to {path} failed: {err[1]}")
+    writes = write_items(*arrays)
+    if len(plans) >= _PLAN_CACHE_SIZE:   # a few structures stay cached (e.g. model-only and full saves)
+        plans.pop(next(iter(plans)))
+    plans[digests] = (writes, tensor_region, plan)
+    return writes, tensor_region, plan
+
+
+@gc_paused()
+def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: PhaseTimer, async_save: bool,
+              stable: set[int] | frozenset = frozenset()):
+    """Every rank, no collective: the part of the save training waits for. Async: copy into a
+    staging buffer of `pool` (pinned when the source is on a GPU), the writes of `stable` storages
+    later (lazy: Snapshot.deferred), at most the staging budget (the rest is written from the
+    tensors' own memory); sync: reference the tensors, small ones packed into a pool buffer (given
+    back after persisting). Returns (snapshot, whether save() must wait for the fence: a tensor
+    training may change at any time is written from its own memory)."""
+    staging, layout = None, None
+    on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
+    if async_save:
+        with timer.phase("snapshot"):
+            layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs, stable=stable,
+                                  room=pool.largest)
+        staging = pool.acquire(layout.size, pin=on_gpu)
+    room = pool.largest
+
+    def pack(nbytes: int) -> torch.Tensor:   # past the budget: memory of its own, freed with the save
+        fits = room is None or nbytes <= room
+        return pool.acquire(nbytes) if fits else torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    try:
+        # A sync save packs its small tensors into a pool buffer (warm pages, given back after persisting).
+        snap = snapshot(collected.shards, writes, tensor_region, collected.blobs, staging, timer, cuda=on_gpu,
+                        pack=None if async_save else pack, layout=layout)
+        return snap, layout is not None and layout.blocking
+    except BaseException:
+        if staging is not None:
+            pool.release(staging)
+        raise
+
+
+@dataclasses.dataclass
+class _Collected:
+    """A rank's state as the save sees it: shards, their records and digest, encoded objects, the
+    layout recorded in the manifest, and (check_replicas) every box's checksum."""
+    shards: list = dataclasses.field(default_factory=list)
+    records: list = dataclasses.field(default_factory=list)
+    digest: str = ""
+    blobs: dict = dataclasses.field(default_factory=dict)
+    layout: dict = dataclasses.field(default_factory=dict)
+    replicas: list = dataclasses.field(default_factory=list)
+    batch: Any = None             # the records as arrays (planner.RecordBatch), sent to the coordinator
+
+
+def _quantized_writes(state: dict, shards: list, scheme: str | None) -> list[str | None]:
+    """Per write: the quantization scheme of its chunks or None. Only the moments of the state's
+    optimizers (format/quant.py MOMENTS: exp_avg, exp_avg_sq, momentum buffers, ...), never their step
+    counts, any weight, nor optimizer state that stands for weights or never fades (ASGD's ax,
+    Rprop's step sizes, Adagrad's sum, NAdam's mu_product): the docs promise moments only."""
+    if scheme is None:
+        return []
+    keys = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    out = [scheme if any(is_moment(s.name, k) for k in keys) and quantizable(dtype_name(s.dtype))
+           and s.local.numel() > 0 else None for s in shards]
+    if keys and not any(out):
+        log.info("omnickpt: quantize_optimizer=%r: the optimizers hold no moments to quantize", scheme)
+    return out
+
+
+def _next_to(path: str, other: str) -> str | None:
+    """The folder name of checkpoint `other` if it lies next to `path` (the storage layer's
+    sibling_path of its name is the same location), "" if it is `path` itself, else None."""
+    where = storage_for(other).describe()
+    if where == storage_for(path).describe():
+        return ""
+    name = str(other).rstrip("/").rpartition("/")[2]
+    try:
+        return name if storage_for(sibling_path(path, name)).describe() == where else None
+    except ValueError:   # no parent folder to go up from, or not a folder name
+        return None
+
+
+def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES,
+                previous: str | None = None, holder: str = "omnickpt"
+                ) -> tuple[tuple[bytes | None, str | None, int, int], References | None]:
+    """Coordinator of an incremental save: ((the base's manifest, the base's folder name (None: the
+    checkpoint at `path` itself), this save's place in the chain: 0 for a full save, the block
+    size), the reference records it holds or None). Without `base`: the checkpoint at `path` if
+    there is one, else `previous` (the last one this Checkpointer committed) if it lies next to
+    `path`. A full save when there is no base yet, the base holds no block hashes (an ordinary
+    save) or hashes of another block size, or the chain has reached full_every; a base given but
+    absent, damaged, hidden or not next to `path` is an error (nothing is written).
+
+    Before the base's manifest is read, a reference record (steps.References, of job `holder`) goes
+    into the base's folder, then into every folder next to it whose files the manifest names, so
+    that no save, garbage collection or retention removes what this save is about to reference
+    (given back once it ends; each rank then checks the files it references: Base.drop_unreadable)."""
+    full = (None, None, 0, block_bytes)
+    if base is None and previous is not None and not storage_for(path).exists(MANIFEST_NAME):
+        found = _next_to(path, previous)
+        if found and _base_name(found) and storage_for(previous).exists(MANIFEST_NAME):
+            base = previous
+    where = path if base is None else str(base)
+    name = None
+    if base is not None:
+        found = _next_to(path, where)
+        if found is None:
+            raise ValueError(f"base={base!r}: an incremental checkpoint references data of a checkpoint folder next "
+                             f"to it; {path} and {base} are not in the same folder")
+        if found and not _base_name(found):
+            raise UnsafeCheckpointError(
+                f"base={base!r}: {storage_for(where).describe()} is not a folder a checkpoint may reference (a hidden "
+                f"folder, or a name with ':' or '\\'); the base of an incremental save must be a committed omnickpt "
+                f"checkpoint folder next to {path}")
+        name = found or None   # "": the checkpoint this save replaces
+    store = storage_for(where)
+    if not store.exists(MANIFEST_NAME):
+        if base is not None and name is not None:
+            raise NotCommittedError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing); "
+                                    f"the base of an incremental save must be a committed checkpoint folder next to "
+                                    f"{path}")
+        return full, None
+    held = References(holder, f"incremental save to {path}")
+    try:
+        if name is not None and not _hold(held, store, path):
+            return full, None
+        try:
+            data = store.read_bytes(MANIFEST_NAME)   # after the record (the protocol of omnickpt/steps.py)
+        except FileNotFoundError:   # retired since: no base after all
+            if base is not None and name is not None:
+                raise NotCommittedError(f"base={base!r}: its checkpoint was removed as this save started "
+                                        f"({store.describe(MANIFEST_NAME)} is gone)") from None
+            held.release()
+            return full, None
+        try:
+            head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
+            folders = _base_folders(head, name)
+        except CheckpointError as e:
+            if base is not None and name is not None:
+                raise
+            # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
+            log.warning("omnickpt: incremental save over %s: its manifest cannot be used (%s); saving in full", path, e)
+            held.release()
+            return full, None
+        if (head.block_bytes != block_bytes or head.compression
+                or (full_every is not None and head.chain + 1 >= full_every)):
+            held.release()
+            return full, None
+        for other in sorted(folders - {name, _folder_name(path)}):
+            if not _hold(held, storage_for(sibling_path(path, other)), path):
+                return full, None
+        return (data, name, head.chain + 1, block_bytes), held
+    except BaseException:
+        held.release()
+        raise
+
+
+def _hold(held: References, storage: Storage, path: str) -> bool:
+    """Put a reference record of the save to `path` into the folder of `storage`; if that fails (a
+    read-only or vanished folder), give back every record held and say False: data that nothing
+    protects is not referenced, the save writes it in full (and still succeeds)."""
+    try:
+        held.hold(storage)
+        return True
+    except (CheckpointError, OSError) as e:
+        log.warning("omnickpt: incremental save to %s: cannot record in %s that it references data there (%s: %s); "
+                    "saving in full", path, storage.describe(), type(e).__name__, e)
+        held.release()
+        return False
+
+
+def _folder_name(path: str) -> str:
+    return str(path).rstrip("/").rpartition("/")[2]
+
+
+def _base_name(name: str) -> bool:
+    """Whether a reference may name the folder `name` (storage.linked.check_sibling_name: not hidden)."""
+    try:
+        check_sibling_name(name, name)
+        return True
+    except UnsafeCheckpointError:
+        return False
+
+
+def _base_folders(head: Manifest, name: str | None) -> set[str]:
+    """The folders next to the new checkpoint whose data files a base's manifest (untrusted) names,
+    as the new checkpoint will reference them; UnsafeCheckpointError for a file a reference may not
+    name (storage.linked.split_reference: not a data file, a hidden folder)."""
+    folders = set()
+    for f in head.files:
+        rel = f.path if name is None or f.path.startswith("../") else f"../{name}/{f.path}"
+        found = split_reference(rel)
+        if found is not None:
+            folders.add(found[0])
+    return folders
+
+
+def _incremental_job(chain: tuple, collected: "_Collected", writes, path: str) -> Callable[[], tuple]:
+    """This rank's part of an incremental save, made in the background persist (the base's
+    manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
+    data, name, depth, block_bytes = chain
+
+    def make() -> tuple:
+        metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
+                           s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
+        base = None
+        if data is not None:
+            manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})
+            # Reads the sizes of the base files this rank references (through the folders next to `path`).
+            base = Base(manifest, name, LinkedStorage(storage_for(path), path), own=_folder_name(path))
+        return (Incremental(metas, base, block_bytes),
+                {"block_bytes": block_bytes, "base": name if data is not None else None, "chain": depth})
+    return make
+
+
+@gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
+def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions) -> _Collected:
+    """Every rank, no collective: adapters turn the state into shards and objects (no copies)."""
+    role, metadata, check_replicas = options.role, options.metadata, options.check_replicas
+    out = _Collected()
+    with timer.phase("plan"):
+        collected = collect_save(state)
+        # Empty local boxes (uneven shards) plan nothing; a tensor with no elements at all keeps
+        # its one empty box, so that the manifest records it and a strict load finds it.
+        out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]
+        kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
+        out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
+        out.digest = structure_digest(out.records)
+        out.batch = RecordBatch.from_records(out.records)
+        out.layout = {"world_size": comm.world_size,
+                      "frameworks": {k: it.framework for k, it in collected if it.framework}}
+        meshes = {k: it.layout for k, it in collected if it.layout}
+        if meshes:
+            out.layout["meshes"] = meshes
+        if role is not None:
+            out.layout["role"] = str(role)
+        if metadata is not None:
+            out.layout["metadata"] = _json_metadata(metadata)
+        out.replicas = _replica_sums(out.shards) if check_replicas else []
+    with timer.phase("serialize"):
+        out.blobs = {k: encode_object(v, allow_pickle=options.allow_pickle, where=k)
+                     for _, items in collected for k, v in items.objects.items()}
+    return out
+
+
+def _json_metadata(metadata: Any) -> dict:
+    """save(metadata=...): a dict stored as JSON in the manifest (read by `inspect`,
+    `omnickpt.open(...).layout` and `convert --to hf`, e.g. {"config": model.config.to_dict()}).
+    What JSON changes comes back changed, as from any JSON file: integer keys become strings (a
+    config's id2label), tuples lists. Values JSON cannot hold (tensors, NaN) are refused."""
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedError(f"metadata cannot be stored as JSON ({e}); convert its values to dicts, lists, "
+                               "strings, numbers, booleans and None") from None
+
+
+def _logging_failures(job: Callable[[], Any], path: str, rank: int) -> Any:
+    """Run an async save's background job; a failure is logged when it happens (and raised again
+    to whoever waits for the save), not only recorded in the checkpoint's control files."""
+    try:
+        return job()
+    except BaseException as e:
+        log.error("omnickpt: async save to %s failed (seen on rank %d): %s", path, rank, e)
+        raise
+
+
+def _replica_sums(shards: Sequence[Any]) -> list[tuple[str, tuple, tuple, int]]:
+    """(tensor, box offsets, box lengths, CRC32C of the box's values) of every box this rank holds."""
+    out = []
+    for s in shards:
+        t = s.local.detach()
+        t = t.cpu().contiguous() if t.is_cuda or not t.is_contiguous() else t
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+        out.append((s.name, s.box.offsets, s.box.lengths, checksum(data)))
+    return out
+
+
+def _check_replicas(per_rank: Sequence[Sequence[tuple[str, tuple, tuple, int]]], path: str) -> None:
+    """Refuse a save whose replicas differ: the checkpoint would hold one rank's copy of each box,
+    a mix nobody trained (typically a missed broadcast of initial weights)."""
+    seen: dict[tuple, dict[int, list[int]]] = {}
+    for rank, sums in enumerate(per_rank):
+        for name, offsets, lengths, crc in sums:
+            seen.setdefault((name, tuple(offsets), tuple(lengths)), {}).setdefault(crc, []).append(rank)
+    differ = [(key, groups) for key, groups in seen.items() if len(groups) > 1]
+    if differ:
+        lines = [f"tensor {name!r} box offsets={list(o)} lengths={list(l)}: ranks "
+                 + " vs ".join(str(sorted(r)) for r in groups.values()) + " hold different values"
+                 for (name, o, l), groups in differ[:10]]
+        raise PlanError(f"save to {path}: {len(differ)} replicated box(es) differ across the ranks that hold them "
+                        "(a missing broadcast of initial weights, or a rank that skipped an update); nothing was "
+                        "written:\n  " + "\n  ".join(lines) + (f"\n  and {len(differ) - 10} more" if len(differ) > 10 else ""))
+
+
+def _reset_peak_rss(timer: PhaseTimer) -> None:
+    """Start this save's peak-RSS window (Linux: "5" to /proc/self/clear_refs resets VmHWM to the
+    current RSS). Where that is not permitted, the report leaves the peak out (VmHWM would be the
+    whole process's peak, not the save's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return
+    timer.bytes["peak_rss"] = 0
+
+
+def _count_peak_rss(timer: PhaseTimer) -> None:
+    """This process's peak RSS since _reset_peak_rss (VmHWM), as bytes "peak_rss" in `timer`."""
+    if "peak_rss" not in timer.bytes:
+        return
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    timer.bytes["peak_rss"] = int(line.split()[1]) * 1024
+                    return
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def _discard_own_file(storage: Storage, save_id: str, rank: int) -> None:
+    """Best effort: remove this rank's data file of a save that failed."""
+    try:
+        storage.delete(data_file_name(save_id, rank))
+    except Exception as e:   # often the very fault that failed the save (a vanished or read-only directory)
+        log.debug("omnickpt: could not remove %s of a failed save: %s", storage.describe(data_file_name(save_id, rank)), e)
+
+
+def _same_path(paths: Sequence[str], verb: str) -> None:
+    if len(set(paths)) > 1:
+        where = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise CheckpointError(f"the ranks were given different checkpoint paths ({where}); every rank must pass "
+                              f"the same path to {verb}()")
+
+
+def _put_json(storage: Storage, rel: str, doc: dict) -> None:
+    storage.commit(rel, json.dumps(doc, default=str).encode())
