@@ -13,7 +13,9 @@ from omnickpt.version import __version__  # noqa: E402,F401
 
 from omnickpt.adapters.rng import RNGState  # noqa: E402
 from omnickpt.data import DataParallelStateful, PackedTokenLoader, ReshardableSampler  # noqa: E402
-from omnickpt.api import Checkpointer, LoadResult, SaveHandle, is_committed, load, read_manifest, save  # noqa: E402
+from omnickpt.api import (Checkpointer, LoadResult, SaveHandle, SaveHandleProtocol, is_committed, load,  # noqa: E402
+                          read_manifest, save)
+from omnickpt.saving import SaveOptions  # noqa: E402
 from omnickpt.errors import (  # noqa: E402
     CheckpointError, CheckpointLockedError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError,
     NotCommittedError, PlanError,
@@ -32,7 +34,8 @@ from omnickpt.integrity import verify  # noqa: E402
 
 __all__ = [
     # saving and loading in a training job
-    "Checkpointer", "CheckpointManager", "LoadResult", "MemoryTierOptions", "SaveHandle", "ShardSpec",
+    "Checkpointer", "CheckpointManager", "LoadResult", "MemoryTierOptions", "SaveHandle", "SaveHandleProtocol",
+    "SaveOptions", "ShardSpec",
     "TieredCheckpointManager", "clear_memory", "is_committed", "load", "memory_usage", "read_manifest", "save",
     # state that is not a module or an optimizer
     "DataParallelStateful", "PackedTokenLoader", "RNGState", "ReshardableSampler",
