@@ -357,6 +357,11 @@ class StepCapture:
             size = sum(owner._buffers[attr].nbytes for owner, attr, _ in self._buffers)
             return (f"the module buffers ({size / 2**20:.0f} MiB) exceed what a capture copies (BUFFER_BYTES, "
                     f"{BUFFER_BYTES >> 20} MiB): they may have moved since save({step})")
+        return self._changed_since(step)
+
+    def _changed_since(self, step: int) -> str | None:
+        """_why_not's checks of the state against the capture of save(`step`): the first difference
+        found, in the order the checks were always made (so the message stays the same)."""
         for (name, t), v in zip(self._stable.items(), self._versions):
             if v is not None and _version(t) != v:
                 return f"{name} was changed in place since save({step}), outside an optimizer step"
@@ -365,6 +370,10 @@ class StepCapture:
         for opt, blob, tensors in self._groups:
             if len(opt.param_groups) != len(_thaw(blob, tensors)):
                 return f"a param group was added to {type(opt).__name__} since save({step})"
+        return self._held_changed(step)
+
+    def _held_changed(self, step: int) -> str | None:
+        """A tensor the capture holds (state entries, param groups) changed in place since save(`step`)."""
         held = [(repr(key), tensors) for key, (_, _, tensors) in self._entries.items()]
         held += [(f"the param groups of {type(opt).__name__}", tensors) for opt, _, tensors in self._groups]
         for where, tensors in held:

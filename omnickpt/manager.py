@@ -281,7 +281,18 @@ class CheckpointManager:
         if world > 1:
             post_marker(self._storage, run, rank, {"rank": rank, "survivor": survivor, "step": step,
                                                    "error": f"{type(error).__name__}: {error}"[:500]})
-        if not survivor and world > 1:
+        outcome = self._nothing_to_save_at_failure(step, survivor or world <= 1)
+        if outcome is not None:
+            return outcome
+        savers, alive, outcome = self._failure_savers(state, rank, world, run, grace)
+        if outcome is not None:
+            return outcome
+        return self._save_exact_at_failure(state, step, rank, run, savers, alive)
+
+    def _nothing_to_save_at_failure(self, step: int | None, may_save: bool) -> dict | None:
+        """This rank's failure_save when it has nothing to save at failure (it failed itself, or there
+        is no uncommitted step); None when it goes on to learn who saves."""
+        if not may_save:
             return {"saved": False, "reason": "this rank failed; the surviving ranks save"}
         if self._read_only or self._closed or step is None:
             return {"saved": False, "reason": "no step to save (read-only, closed, or save() never called)"}
@@ -289,9 +300,12 @@ class CheckpointManager:
             return self._saved_by_save(step)
         if step in self.steps():
             return {"saved": False, "step": step, "reason": f"step {step}, the newest, is already committed"}
-        savers, alive, outcome = self._failure_savers(state, rank, world, run, grace)
-        if outcome is not None:
-            return outcome
+        return None
+
+    def _save_exact_at_failure(self, state: dict, step: int, rank: int, run: str, savers: tuple[int, ...],
+                               alive: list[int]) -> dict:
+        """Every rank of the replica group `savers`: save step `step` from the capture, exactly or not at
+        all, once this group has claimed it. Returns this rank's failure_save."""
         from omnickpt.comm import SOLO, Comm
         group = SOLO if len(savers) == 1 else _shard_group(state)
         with self._capture.state_to_save(step) as (exact, problem):

@@ -21,7 +21,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 from omnickpt import commit
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle
@@ -687,33 +687,12 @@ class TieredCheckpointManager(CheckpointManager):
             result, failed = restore(cand, state, dict(kwargs, dedup_reads=False))
             if not failed:
                 return self._restored_from_memory(cand, result, state, kwargs, durable_step)
-            corrupt = any(cls == CorruptCheckpointError.__name__ for cls, _ in failed)
-            if corrupt:   # never again: a restart must not meet it (every rank is done with it)
-                if cand.source == "memory" and lay.local == 0:
-                    self._tier.drop_step(cand.step)
-                if cand.source == "previous" and self._machine_leader:
-                    self._tier.drop_previous(cand.step)
-            failure = (cand.step, failed, corrupt)
-            then = (f"loading step {durable_step} from {self.root} instead" if durable_step is not None else
-                    f"and {self.root} holds no committed checkpoint to fall back to")
-            warnings.warn(f"omnickpt: restoring step {cand.step} from shared memory failed ({_describe(failed)})"
-                          f"{'; the corrupt step is removed from shared memory' if corrupt else ''}; {then}",
-                          RuntimeWarning, stacklevel=3)
+            failure = self._memory_restore_failed(cand, failed, durable_step)
         for note in survey.notes:
             warnings.warn(f"omnickpt: {note}; restoring from {self.root}. The memory is kept until this run's first "
                           "save: to restore from it, restart at the layout that saved it", RuntimeWarning, stacklevel=3)
         if durable_step is None:
-            where = f"{self.root} ({survey.durable_error[1]})" if survey.durable_error else self.root
-            if failure is not None:
-                step, failed, corrupt = failure
-                raise rebuild_error(CorruptCheckpointError.__name__ if corrupt else failed[0][0],
-                                    f"restoring step {step} from shared memory ({self._tier.url}) failed: "
-                                    f"{_describe(failed)}"
-                                    + ("; it was removed from shared memory, so a restart will not try it again"
-                                       if corrupt else "")
-                                    + f"; and {where} holds no committed checkpoint to fall back to")
-            raise NotCommittedError(f"nothing to restore: no complete step in shared memory ({self._tier.url}) "
-                                    f"and no committed checkpoint in {where}")
+            self._raise_nothing_to_restore(survey, failure)
         if lay.local == 0:
             self._tier.purge_newer(None)   # older than root (stale), incomplete on some node, or corrupt
         if self._machine_leader and not survey.notes:
@@ -722,6 +701,41 @@ class TieredCheckpointManager(CheckpointManager):
         self.restored = ("durable", durable_step)
         result.report.update(tier="durable", step=durable_step)
         return result
+
+    def _memory_restore_failed(self, cand: Candidate, failed: list[tuple[str, str]],
+                               durable_step: int | None) -> tuple[int, list[tuple[str, str]], bool]:
+        """Every rank, when restoring `cand` from memory failed: remove a corrupt step from memory and
+        warn. Returns (step, every rank's failure, whether the step was found corrupt)."""
+        lay = self._tier.layout
+        corrupt = any(cls == CorruptCheckpointError.__name__ for cls, _ in failed)
+        if corrupt:   # never again: a restart must not meet it (every rank is done with it)
+            if cand.source == "memory" and lay.local == 0:
+                self._tier.drop_step(cand.step)
+            if cand.source == "previous" and self._machine_leader:
+                self._tier.drop_previous(cand.step)
+        then = (f"loading step {durable_step} from {self.root} instead" if durable_step is not None else
+                f"and {self.root} holds no committed checkpoint to fall back to")
+        # stacklevel 4: the caller of load_latest(), as when this was written inline in _load_latest_tiered.
+        warnings.warn(f"omnickpt: restoring step {cand.step} from shared memory failed ({_describe(failed)})"
+                      f"{'; the corrupt step is removed from shared memory' if corrupt else ''}; {then}",
+                      RuntimeWarning, stacklevel=4)
+        return cand.step, failed, corrupt
+
+    def _raise_nothing_to_restore(self, survey: _Survey,
+                                  failure: tuple[int, list[tuple[str, str]], bool] | None) -> NoReturn:
+        """Every rank, when root holds no committed step: raise the memory restore's failure (its
+        class), or NotCommittedError when memory had nothing either."""
+        where = f"{self.root} ({survey.durable_error[1]})" if survey.durable_error else self.root
+        if failure is not None:
+            step, failed, corrupt = failure
+            raise rebuild_error(CorruptCheckpointError.__name__ if corrupt else failed[0][0],
+                                f"restoring step {step} from shared memory ({self._tier.url}) failed: "
+                                f"{_describe(failed)}"
+                                + ("; it was removed from shared memory, so a restart will not try it again"
+                                   if corrupt else "")
+                                + f"; and {where} holds no committed checkpoint to fall back to")
+        raise NotCommittedError(f"nothing to restore: no complete step in shared memory ({self._tier.url}) "
+                                f"and no committed checkpoint in {where}")
 
     def _restored_from_memory(self, cand: Candidate, result: LoadResult, state: dict, kwargs: dict,
                               durable_step: int | None) -> LoadResult:
@@ -780,35 +794,16 @@ class TieredCheckpointManager(CheckpointManager):
         peers). Phases end with an exchange of errors, so that all ranks fail together and fall
         back together. Returns (LoadResult or None, the failures of all ranks)."""
         lay, step = self._tier.layout, cand.step
-        error, objects, result = None, None, None
-        try:
-            if cand.broken:
-                self._tier.repair(step, cand.broken, self._side, self._global_ranks, lambda: _barrier(self._side))
-            if lay.nodes > 1 and lay.local == 0:
-                objects = self._tier.node_objects(step)
-        except Exception as e:
-            error = e
+        result = None
+        objects, error = self._repair_for_restore(cand)
         url, group = self._tier.step_url(step), self._node_group
         if lay.nodes > 1:
-            # A node's checkpoint holds its own ranks' objects only; state that needs every rank's
-            # value (a dataloader position) gets them through this exchange and a merged view, the
-            # same URL on every machine.
-            gathered = self._comm.all_gather_object((objects, None if error is None else (
-                type(error).__name__, f"rank {lay.rank} (node {lay.node}): {type(error).__name__}: {error}")))
-            failed = [g[1] for g in gathered if g[1] is not None]
+            # error is None past here: a failed repair fails the exchange in _merge_node_views.
+            failed = self._merge_node_views(step, objects, error)
             if failed:
-                return None, failed
-            try:
-                if self._machine_leader:
-                    self._tier.world_view(step, self._nodes_here, [o for g in gathered if g[0] for o in g[0]])
-            except Exception as e:
-                error = e
-            failed = self._failures(error)   # also: every machine's view is written before any rank reads one
-            if failed:
-                if self._machine_leader:
-                    self._tier.drop_world_view()
                 return None, failed
             url, group = self._tier.view_url(step), self._group
+        # With one node a failed repair still tries the load; its error is reported if the load fails too.
         try:
             result = self._ckpt.load(url, state, process_group=group, **kwargs)
         except Exception as e:
@@ -818,6 +813,43 @@ class TieredCheckpointManager(CheckpointManager):
             self._tier.drop_world_view()
         self._fatal(error, failed)
         return (None if failed else result), failed
+
+    def _repair_for_restore(self, cand: Candidate) -> tuple[list | None, BaseException | None]:
+        """Every rank, _restore_memory's first phase: get broken nodes' checkpoints back from their
+        peers; node leaders of a multi-node job read their node's objects. Returns (objects, error)."""
+        lay, step = self._tier.layout, cand.step
+        objects = None
+        try:
+            if cand.broken:
+                self._tier.repair(step, cand.broken, self._side, self._global_ranks, lambda: _barrier(self._side))
+            if lay.nodes > 1 and lay.local == 0:
+                objects = self._tier.node_objects(step)
+        except Exception as e:
+            return objects, e
+        return objects, None
+
+    def _merge_node_views(self, step: int, objects: list | None, error: BaseException | None) -> list[tuple[str, str]]:
+        """Every rank of a multi-node job: exchange the first phase's errors and node objects; machine
+        leaders write the merged view of `step`. Returns the failures of all ranks (empty: every view is
+        written)."""
+        lay = self._tier.layout
+        # A node's checkpoint holds its own ranks' objects only; state that needs every rank's
+        # value (a dataloader position) gets them through this exchange and a merged view, the
+        # same URL on every machine.
+        gathered = self._comm.all_gather_object((objects, None if error is None else (
+            type(error).__name__, f"rank {lay.rank} (node {lay.node}): {type(error).__name__}: {error}")))
+        failed = [g[1] for g in gathered if g[1] is not None]
+        if failed:
+            return failed
+        try:
+            if self._machine_leader:
+                self._tier.world_view(step, self._nodes_here, [o for g in gathered if g[0] for o in g[0]])
+        except Exception as e:
+            error = e
+        failed = self._failures(error)   # also: every machine's view is written before any rank reads one
+        if failed and self._machine_leader:
+            self._tier.drop_world_view()
+        return failed
 
     def _restore_previous(self, cand: Candidate, state: dict, kwargs: dict):
         """Every rank: load `cand.step` from memory saved at another layout, resharded: each machine

@@ -41,7 +41,7 @@ import re
 import time
 import warnings
 from concurrent.futures import Executor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -484,7 +484,6 @@ def transfer_files(group: Any, *, dst: int | None = None, files: Sequence[tuple[
     bytes go from and to mapped shared memory, with no copy on either side. Received names are
     checked: a peer cannot make us write outside `into`."""
     import torch.distributed as dist
-    from omnickpt.format.manifest import safe_relative_path
     keep: list[torch.Tensor] = []   # tensors must outlive their requests
 
     def _round(send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
@@ -508,35 +507,51 @@ def transfer_files(group: Any, *, dst: int | None = None, files: Sequence[tuple[
     _round(torch.frombuffer(bytearray(meta_out), dtype=torch.uint8) if meta_out is not None else None, raw_in)
     reqs = []
     if dst is not None:
-        for (_, path), size in zip(files, sizes):
-            if size:
-                keep.append(_map(path, size))
-                reqs.append(dist.isend(keep[-1], dst=dst, group=group))
-        if extra:
-            keep.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
-            reqs.append(dist.isend(keep[-1], dst=dst, group=group))
+        _send_files(group, dst, files, sizes, extra, keep, reqs)
     got = None
     if src is not None:
-        meta = json.loads(bytes(raw_in.numpy()))
-        for name, size in meta["files"]:
-            path = os.path.join(into, *safe_relative_path(name, f"replica from rank {src}").split("/"))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                if size:
-                    # Reserve the pages now: a full tmpfs then fails here with ENOSPC, not with
-                    # SIGBUS while the bytes are written through the mapping.
-                    os.posix_fallocate(f.fileno(), 0, size)
-            if size:
-                keep.append(_map(path, size))
-                reqs.append(dist.irecv(keep[-1], src=src, group=group))
-        if meta["extra"] is not None:
-            buf = torch.empty(meta["extra"], dtype=torch.uint8)
-            if meta["extra"]:
-                reqs.append(dist.irecv(buf, src=src, group=group))
-            got = buf
+        got = _receive_files(group, src, json.loads(bytes(raw_in.numpy())), into, keep, reqs)
     for r in reqs:
         r.wait()
     return None if got is None else bytes(got.numpy())
+
+
+def _send_files(group: Any, dst: int, files: Sequence[tuple[str, str]], sizes: list[int], extra: bytes | None,
+                keep: list[torch.Tensor], reqs: list) -> None:
+    """transfer_files' third round, sending side: post a send of each non-empty file and of `extra`."""
+    import torch.distributed as dist
+    for (_, path), size in zip(files, sizes):
+        if size:
+            keep.append(_map(path, size))
+            reqs.append(dist.isend(keep[-1], dst=dst, group=group))
+    if extra:
+        keep.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
+        reqs.append(dist.isend(keep[-1], dst=dst, group=group))
+
+
+def _receive_files(group: Any, src: int, meta: dict, into: str, keep: list[torch.Tensor],
+                   reqs: list) -> torch.Tensor | None:
+    """transfer_files' third round, receiving side: create each file `meta` names under `into` and post
+    a receive into its mapping; returns the buffer the byte string arrives in (None if none is sent)."""
+    import torch.distributed as dist
+    from omnickpt.format.manifest import safe_relative_path
+    for name, size in meta["files"]:
+        path = os.path.join(into, *safe_relative_path(name, f"replica from rank {src}").split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            if size:
+                # Reserve the pages now: a full tmpfs then fails here with ENOSPC, not with
+                # SIGBUS while the bytes are written through the mapping.
+                os.posix_fallocate(f.fileno(), 0, size)
+        if size:
+            keep.append(_map(path, size))
+            reqs.append(dist.irecv(keep[-1], src=src, group=group))
+    if meta["extra"] is None:
+        return None
+    buf = torch.empty(meta["extra"], dtype=torch.uint8)
+    if meta["extra"]:
+        reqs.append(dist.irecv(buf, src=src, group=group))
+    return buf
 
 
 # ---------------------------------------------------------------------- restore decision
@@ -559,34 +574,58 @@ def restore_candidates(views: Sequence[tuple[Sequence[int], Sequence[int]]], dur
     previous[m] = machine m's previous_view() (memory of another layout): a step is a candidate
     when every machine holds every old node's checkpoint of it (each machine builds the whole
     checkpoint from its own memory). Steps older than `durable_step` are stale: never candidates."""
+    fresh = (lambda s: durable_step is None or s >= durable_step)
+    out = _memory_candidates(views, peers, fresh)
+    notes = []
+    if previous and any(p is not None for p in previous):
+        out += _previous_candidates(previous, fresh, notes)
+    out.sort(key=lambda c: (c.step, c.source == "memory"), reverse=True)
+    return out, notes
+
+
+def _memory_candidates(views: Sequence[tuple[Sequence[int], Sequence[int]]], peers: bool,
+                       fresh: Callable[[int], bool]) -> list[Candidate]:
+    """Fresh steps every node of this layout has, itself or through the next node's replica."""
     n = len(views)
     own = [set(v[0]) for v in views]
     kept = [set(v[1]) for v in views]
     avail = [own[k] | (kept[(k + 1) % n] if peers and n > 1 else set()) for k in range(n)]
-    fresh = (lambda s: durable_step is None or s >= durable_step)
-    out = [Candidate(s, "memory", tuple(k for k in range(n) if s not in own[k]))
-           for s in (set.intersection(*avail) if avail else set()) if fresh(s)]
-    notes = []
-    if previous and any(p is not None for p in previous):
-        layouts = {(p["world_size"], p["ranks_per_node"]) for p in previous if p is not None}
-        per_machine = []
-        for p in previous:
-            if p is None or len(layouts) > 1:
-                per_machine.append(set())
-                continue
-            nodes = range(p["world_size"] // p["ranks_per_node"])
-            per_machine.append(set.intersection(*(set(p["nodes"].get(j, ())) for j in nodes)))
-        common = set.intersection(*per_machine)
-        out += [Candidate(s, "previous") for s in common if fresh(s)]
-        lost = sorted({s for p in previous if p is not None for ss in p["nodes"].values() for s in ss
-                       if fresh(s) and s not in common})
-        if lost:
-            w, r = next(iter(layouts)) if len(layouts) == 1 else ("?", "?")
-            notes.append(f"step(s) {lost} in shared memory were saved at world size {w} ({r} rank(s) per node) and "
-                         f"cannot be resharded from memory: not every machine of this job holds every old node's "
-                         f"checkpoint of them (a node's memory holds only its own ranks' part)")
-    out.sort(key=lambda c: (c.step, c.source == "memory"), reverse=True)
-    return out, notes
+    return [Candidate(s, "memory", tuple(k for k in range(n) if s not in own[k]))
+            for s in (set.intersection(*avail) if avail else set()) if fresh(s)]
+
+
+def _previous_candidates(previous: Sequence[dict | None], fresh: Callable[[int], bool],
+                         notes: list[str]) -> list[Candidate]:
+    """Fresh steps of another layout's memory that every machine holds whole; the fresh steps some
+    machine lacks go into `notes` (they cannot be resharded from memory)."""
+    layouts = {(p["world_size"], p["ranks_per_node"]) for p in previous if p is not None}
+    # A machine that saw no old memory, or machines that disagree on the old layout, hold nothing usable.
+    per_machine = [set() if p is None or len(layouts) > 1 else _whole_steps(p) for p in previous]
+    common = set.intersection(*per_machine)
+    lost = _lost_steps(previous, fresh, common)
+    if lost:
+        notes.append(_lost_note(lost, layouts))
+    return [Candidate(s, "previous") for s in common if fresh(s)]
+
+
+def _lost_steps(previous: Sequence[dict | None], fresh: Callable[[int], bool], common: set) -> list[int]:
+    """Fresh steps some machine's old memory holds that are not restorable from every machine, sorted."""
+    return sorted({s for p in previous if p is not None for ss in p["nodes"].values() for s in ss
+                   if fresh(s) and s not in common})
+
+
+def _lost_note(lost: list[int], layouts: set[tuple[int, int]]) -> str:
+    """Why the `lost` steps of another layout's memory cannot be restored; '?' when machines disagree on it."""
+    w, r = next(iter(layouts)) if len(layouts) == 1 else ("?", "?")
+    return (f"step(s) {lost} in shared memory were saved at world size {w} ({r} rank(s) per node) and "
+            f"cannot be resharded from memory: not every machine of this job holds every old node's "
+            f"checkpoint of them (a node's memory holds only its own ranks' part)")
+
+
+def _whole_steps(view: dict) -> set:
+    """Steps of which one machine's previous_view() holds every old node's checkpoint."""
+    nodes = range(view["world_size"] // view["ranks_per_node"])
+    return set.intersection(*(set(view["nodes"].get(j, ())) for j in nodes))
 
 
 def choose_restore(views: Sequence[tuple[Sequence[int], Sequence[int]]], durable_step: int | None,
