@@ -183,3 +183,21 @@ def two_rank_fsdp2_roundtrip(rank, world_size, sync_url, async_url):
         assert saved.keys() == got.keys()
         out[url] = [k for k in saved if not torch.equal(saved[k], got[k])]
     return saved, out
+
+
+def hand_made_dcp(path, item: bytes) -> None:
+    """A DCP folder at `path` (a pathlib.Path) holding one float32 tensor "model.w" of shape [2, 1] stored as the
+    torch.save archive `item`: for damaged and hostile tensor items that dcp.save would never write."""
+    import os
+    import pickle
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    os.makedirs(path, exist_ok=True)
+    (path / "__0_0.distcp").write_bytes(item)
+    size = torch.Size([2, 1])
+    md = Metadata({"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
+                                                    [ChunkStorageMetadata(torch.Size([0, 0]), size)])},
+                  planner_data={"model.w": ("model", "w")},
+                  storage_data={MetadataIndex("model.w", [0, 0]): _StorageInfo("__0_0.distcp", 0, len(item))})
+    (path / ".metadata").write_bytes(pickle.dumps(md))

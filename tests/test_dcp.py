@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import omnickpt
 from dist import run_ranks
-from models import ToyMLP, full_values, stepped, toy
+from models import ToyMLP, full_values, hand_made_dcp, stepped, toy
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.formats import dcp as dcp_format
 from omnickpt.storage import storage_for
@@ -212,25 +212,10 @@ def test_malicious_tensor_pickle_and_value_run_nothing(tmp_path):
         zf.writestr("archive/data.pkl", pickle.dumps(_Call(os.system, f"touch {marker}"), protocol=2))
         zf.writestr("archive/byteorder", "little")
         zf.writestr("archive/data/0", bytes(8))
-    _hand_made_dcp(tmp_path / "b", archive.getvalue())
+    hand_made_dcp(tmp_path / "b", archive.getvalue())
     with pytest.raises(UnsafeCheckpointError, match=r"__0_0.distcp.*'model.w'.*posix.system"):
         omnickpt.load(str(tmp_path / "b"), {"model": nn.Linear(1, 2, bias=False)})
     assert not marker.exists()
-
-
-def _hand_made_dcp(path, item: bytes) -> None:
-    """A DCP folder holding one float32 tensor "model.w" of shape [2, 1] stored as the archive `item`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-    os.makedirs(path)
-    (path / "__0_0.distcp").write_bytes(item)
-    size = torch.Size([2, 1])
-    md = Metadata({"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
-                                                    [ChunkStorageMetadata(torch.Size([0, 0]), size)])},
-                  planner_data={"model.w": ("model", "w")},
-                  storage_data={MetadataIndex("model.w", [0, 0]): _StorageInfo("__0_0.distcp", 0, len(item))})
-    (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import omnickpt
 from dist import run_ranks
+from models import hand_made_dcp
 from omnickpt.convert import convert
 from omnickpt.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.formats import dcp as dcp_format
@@ -119,21 +120,6 @@ def _archive(pkl: bytes, storage: bytes = bytes(8)) -> bytes:
         zf.writestr("archive/byteorder", "little")
         zf.writestr("archive/data/0", storage)
     return out.getvalue()
-
-
-def _hand_made_dcp(path, item: bytes) -> None:
-    """A DCP folder holding one float32 tensor "model.w" of shape [2, 1] stored as the archive `item`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-    os.makedirs(path, exist_ok=True)
-    (path / "__0_0.distcp").write_bytes(item)
-    size = torch.Size([2, 1])
-    md = Metadata({"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
-                                                    [ChunkStorageMetadata(torch.Size([0, 0]), size)])},
-                  planner_data={"model.w": ("model", "w")},
-                  storage_data={MetadataIndex("model.w", [0, 0]): _StorageInfo("__0_0.distcp", 0, len(item))})
-    (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
 def _inflating_archive(nbytes: int) -> bytes:
@@ -309,7 +295,7 @@ _HOSTILE_TENSOR_PICKLES = {
 
 @pytest.mark.parametrize("variant", sorted(_HOSTILE_TENSOR_PICKLES))
 def test_a_hostile_data_pkl_is_corrupt_naming_the_file(tmp_path, variant):
-    _hand_made_dcp(tmp_path, _archive(_HOSTILE_TENSOR_PICKLES[variant]()))
+    hand_made_dcp(tmp_path, _archive(_HOSTILE_TENSOR_PICKLES[variant]()))
 
     def run():
         with pytest.raises(CorruptCheckpointError, match=rf"{tmp_path / '__0_0.distcp'}.*'model.w'"):
@@ -326,7 +312,7 @@ def test_a_data_pkl_cannot_change_the_readers_own_functions(tmp_path):
     build = (b"ctorch._utils\n_rebuild_tensor_v2\n" + b"N}X\x0c\x00\x00\x00__defaults__(\x89N}X\x01\x00\x00\x00xK\x01st"
              b"s\x86b0")
     hostile = bytes(pkl[:2]) + build + bytes(pkl[2:])
-    _hand_made_dcp(tmp_path / "hostile", _archive(hostile))
+    hand_made_dcp(tmp_path / "hostile", _archive(hostile))
     with pytest.raises(CorruptCheckpointError, match=rf"{tmp_path / 'hostile' / '__0_0.distcp'}.*'model.w'"):
         dcp_format.read_manifest(storage_for(str(tmp_path / "hostile")))
     saved = nn.Linear(1, 2, bias=False)
