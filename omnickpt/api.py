@@ -228,9 +228,13 @@ class Checkpointer:
         prev = self._inflight.get(job.where)
         if prev is not None and not prev.done():
             raise CheckpointError(f"a save to {job.path} is still in progress; wait() for it before saving there again")
-        job.agree(job.collect())
-        job.plan()
-        blocking = job.snapshot()
+        try:
+            job.agree(job.collect())
+            job.plan()
+            blocking = job.snapshot()
+        except BaseException:
+            job.give_back()   # a save that fails before it runs holds no reference records on its base
+            raise
         if not options.async_save:
             return SaveHandle(job.path, job.save_id, job.storage, None, job.run(), job.comm.is_coordinator,
                               self.timeout)

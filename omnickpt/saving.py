@@ -225,8 +225,14 @@ class _SaveJob:
                 if lease is not None:
                     lease.release()
         finally:
-            if self.held is not None:
-                self.held.release()
+            self.give_back()
+
+    def give_back(self) -> None:
+        """The reference records this save holds on its base folders (incremental, coordinator), given
+        back once the save committed or failed, so that retention may remove those folders again.
+        Idempotent."""
+        if self.held is not None:
+            self.held.release()
 
     def persist(self, locked: CheckpointError | None = None) -> tuple[RankResult, dict | None]:
         """Every rank, no collective: finish a lazy snapshot's copies, write and checksum this

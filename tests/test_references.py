@@ -129,6 +129,23 @@ def test_garbage_collection_keeps_every_file_while_a_save_in_flight_references_t
     assert not glob.glob(f"{a}/.omnickpt/refs/*")           # the record went with the save
 
 
+def test_a_save_that_fails_before_it_runs_gives_its_reference_records_back_at_once(tmp_path, monkeypatch):
+    model = _model()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    omnickpt.save(a, {"model": model}, incremental=True)
+
+    def broken(*args, **kwargs):
+        raise omnickpt.StorageError("staging memory could not be had")
+
+    monkeypatch.setattr(omnickpt.saving, "_snapshot", broken)   # fails after the base was chosen and its records taken
+    with omnickpt.Checkpointer() as ckpt:
+        with pytest.raises(omnickpt.StorageError) as failed:
+            ckpt.save(b, {"model": model}, incremental=True, base=a)
+        # the failure (and its traceback, which holds the job) is still alive: the records must be gone anyway,
+        # or retention would keep a's files while this process lives (their heartbeat keeps them live)
+        assert failed.value is not None and not glob.glob(f"{a}/.omnickpt/refs/*")
+
+
 # ---------------------------------------------------------------------- managers: retention, rollback, failures
 def test_retention_keeps_the_base_and_the_folder_of_another_managers_save_in_flight(tmp_path, monkeypatch):
     root = str(tmp_path)
