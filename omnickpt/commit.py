@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
@@ -147,3 +148,112 @@ def raise_failed(status: dict, what: str) -> None:
     """Raise the error a failed status carries (as its class), nothing for a committed one."""
     if status.get("state") != "committed":
         raise rebuild_error(status.get("class") or CheckpointError.__name__, f"{what} failed: {status.get('error')}")
+
+
+# ---------------------------------------------------------------------- the choreography
+@dataclass(frozen=True)
+class Round:
+    """One commit through storage: save `save_id` in `storage`, seen from `rank` of `world_size`
+    (rank 0 coordinates). `timeout` bounds every wait; `what` names the save in messages
+    ("save to PATH")."""
+    storage: Storage
+    save_id: str
+    rank: int
+    world_size: int
+    timeout: float
+    what: str
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def post(self, record: dict) -> None:
+        post_record(self.storage, self.save_id, self.rank, record)
+
+    def fail_early(self, error: tuple[str, str]) -> None:
+        """This rank's part failed: the coordinator learns now (a failure record), and where this
+        rank is the coordinator, the others do too (the failed status)."""
+        post_failure(self.storage, self.save_id, self.rank, error)
+        if self.coordinator:
+            set_status(self.storage, self.save_id, error)
+
+    def gather(self) -> list[dict]:
+        """Coordinator: every rank's record (await_records: a failure or a timeout fails the round)."""
+        return await_records(self.storage, self.save_id, self.world_size, self.timeout, self.what)
+
+    def verdict(self) -> dict:
+        """Another rank: the coordinator's status, its error raised when the round failed."""
+        return await_status(self.storage, self.save_id, self.timeout, self.what)
+
+
+class Verdict(Exception):
+    """Raised by a round's `finish` to fail the save with its own (class name, message), set as the
+    status and raised on every rank as that class. Never escapes run_round. `committed`: the
+    failure came after the manifest was written (the checkpoint stands; nothing of it is removed)."""
+
+    def __init__(self, outcome: tuple[str, str], committed: bool = False):
+        super().__init__(outcome[1])
+        self.outcome, self.committed = outcome, committed
+
+
+def run_round(round: Round, local: Callable[[], dict], finish: Callable[[list[dict]], T], *,
+              after: Callable[[T], None] | None = None, wait: bool = True,
+              on_failure: Callable[[BaseException, list[dict] | None], None] | None = None) -> T | None:
+    """The commit choreography, the same for every save that commits through storage.
+
+    Every rank runs `local()` (its part: data written) and posts the record it returns (a record
+    may itself say the part failed: {"error": msg, "error_class": cls}); if `local` raises, a
+    failure record goes instead, the coordinator then also sets the failed status at once. A rank
+    whose part failed raises its error (the coordinator once it has set the failed status). The
+    coordinator awaits every record (a failure record, its own too, or a timeout: the status is set
+    failed and the error raised), runs `finish(records)` (the commit),
+    then sets the status committed and runs `after(value)` (what follows a commit: garbage
+    collection, retention). If `finish` or `after` raises, the status is set failed (a Verdict's
+    own outcome, else "rank 0: Class: message") and the error raised. The other ranks, with `wait`,
+    await the verdict and raise the coordinator's error class. On any failure seen on this rank,
+    `on_failure(error, records)` cleans up first (records: None unless every record came).
+    Returns finish's value on the coordinator, None elsewhere."""
+    try:
+        try:
+            record = local()
+        except Exception as e:
+            round.fail_early((type(e).__name__, f"rank {round.rank}: {type(e).__name__}: {e}"))
+            raise
+        own = failure_of(record)
+        _post(round, record, own)
+        if not round.coordinator:
+            if own is not None:
+                raise rebuild_error(*own)
+            if wait:
+                round.verdict()
+            return None
+        records = round.gather()
+    except Exception as e:
+        if on_failure is not None:
+            on_failure(e, None)
+        raise
+    try:
+        value = finish(records)
+        set_status(round.storage, round.save_id)   # committed: the others go on now
+        if after is not None:
+            after(value)
+    except Exception as e:
+        outcome = e.outcome if isinstance(e, Verdict) else (type(e).__name__, f"rank 0: {type(e).__name__}: {e}")
+        set_status(round.storage, round.save_id, outcome)
+        if on_failure is not None:
+            on_failure(e, records)
+        if isinstance(e, Verdict):
+            raise rebuild_error(*outcome) from None
+        raise
+    return value
+
+
+def _post(round: Round, record: dict, own: tuple[str, str] | None) -> None:
+    """Post this rank's record; if it cannot be written, raise the part's own failure (the first
+    one, what the user must hear of) or else say that the coordinator cannot be told."""
+    try:
+        round.post(record)
+    except Exception as e:
+        if own is not None:
+            raise rebuild_error(*own) from e
+        raise CheckpointError(f"rank {round.rank}: could not report to the coordinator: {e}") from e

@@ -55,55 +55,32 @@ def _bind_foreign(manifest: Manifest, state: dict) -> Manifest:
 def load(ckpt: Checkpointer, path: str, state: dict, *, strict: bool, allow_pickle: bool, process_group: Any,
          verify: bool, dedup_reads: bool, transforms: Sequence[Any], cast: bool, include: Sequence[str],
          exclude: Sequence[str]) -> LoadResult:
-    """Every rank: Checkpointer.load, with `ckpt`'s threads, staging pool and communicators."""
+    """Every rank: Checkpointer.load, with `ckpt`'s threads, staging pool and communicators. Three
+    phases, each a local step settled on every rank (Comm.run_step): plan, read, install."""
     t_start = time.perf_counter()
     ckpt._await_snapshots()   # a lazy snapshot still copying would copy the loaded values
     path = str(path)
     comm = ckpt.comm(process_group)
     job = _LoadJob(path, storage_for(path), state, PhaseTimer())
     job.raw_manifest = _shared_manifest(job, comm)
-    error = None
-    try:
+    dedup = dedup_reads and comm.world_size > 1
+
+    def plan() -> tuple:
         with job.timer.phase("plan"):
             _plan_load(job, comm, transforms, Selection(include, exclude), cast, strict)
         if not (strict and job.differences):
             _check_objects(job, comm, allow_pickle, strict)
-    except Exception as e:
-        error = e
-    dedup = dedup_reads and comm.world_size > 1
-    wants = [(item_key(it), it.nbytes) for it in job.items] if dedup and error is None else []
-    where = _where(job)
-    gathered = comm.settle(f"load from {path}, step plan", error,
-                           (sorted(job.unexpected), sorted(set(job.differences))[:20], wants, where))
+        wants = [(item_key(it), it.nbytes) for it in job.items] if dedup else []
+        return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job)
+
+    gathered = comm.run_step(f"load from {path}, step plan", plan)
     _same_path([g[3] for g in gathered], "load")
     differences = _agree_on_differences(job, gathered, strict)
-
-    forward, mine, landing = None, list(range(len(job.items))), None
-    try:
-        if dedup:
-            with job.timer.phase("plan"):
-                forward = assign_readers([g[2] for g in gathered])
-                readers = {key: reader for key, reader, _ in forward}
-                mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), comm.rank) == comm.rank]
-        landing = land_tensors(job.storage, job.manifest, [job.items[i] for i in mine], job.boxes,
-                               job.match.dests, ckpt._io, verify=verify, timer=job.timer,
-                               budget=ckpt.landing_bytes, pool=ckpt._pool)
-    except Exception as e:
-        error = e
+    reading = _Reading(job, comm, ckpt, verify, [g[2] for g in gathered] if dedup else None)
     # Every rank learns whether every rank read sound bytes before anything is installed (and
     # a reader that failed never leaves its peers waiting for forwarded bytes).
-    try:
-        comm.settle(f"load from {path}, step read", error)
-    except BaseException:
-        if landing is not None:
-            landing.discard()
-        raise
-
-    try:
-        _install(job, comm, landing, forward, mine)
-    except Exception as e:
-        error = e
-    timings = comm.settle(f"load from {path}, step install", error, job.timer.as_dict())
+    comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())
+    timings = comm.run_step(f"load from {path}, step install", lambda: reading.install() or job.timer.as_dict())
     report = summarize("load", timings, total_seconds=time.perf_counter() - t_start)
     report["path"] = job.storage.describe()
     if job.manifest is not None and job.manifest.quantized:
@@ -111,6 +88,34 @@ def load(ckpt: Checkpointer, path: str, state: dict, *, strict: bool, allow_pick
         loaded = {it.name for it in job.items}
         report["quantized"] = {n: q for n, q in job.manifest.quantized.items() if n in loaded}
     return LoadResult(differences, report)
+
+
+class _Reading:
+    """The read phase of one load on one rank: which items this rank reads (all of them, or with
+    dedup_reads the ones it was assigned: `wants` holds every rank's wishes), their bytes landed
+    and verified, then installed."""
+
+    def __init__(self, job: _LoadJob, comm: Comm, ckpt: Checkpointer, verify: bool, wants: list | None):
+        self.job, self.comm, self.ckpt, self.verify, self.wants = job, comm, ckpt, verify, wants
+        self.forward, self.mine, self.landing = None, list(range(len(job.items))), None
+
+    def land(self) -> None:
+        job, rank = self.job, self.comm.rank
+        if self.wants is not None:
+            with job.timer.phase("plan"):
+                self.forward = assign_readers(self.wants)
+                readers = {key: reader for key, reader, _ in self.forward}
+                self.mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), rank) == rank]
+        self.landing = land_tensors(job.storage, job.manifest, [job.items[i] for i in self.mine], job.boxes,
+                                    job.match.dests, self.ckpt._io, verify=self.verify, timer=job.timer,
+                                    budget=self.ckpt.landing_bytes, pool=self.ckpt._pool)
+
+    def discard(self) -> None:
+        if self.landing is not None:
+            self.landing.discard()
+
+    def install(self) -> None:
+        _install(self.job, self.comm, self.landing, self.forward, self.mine)
 
 
 @gc_paused()

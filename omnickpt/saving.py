@@ -267,48 +267,35 @@ class _SaveJob:
     def commit(self, result: RankResult, header: dict | None, lease) -> dict | None:
         """Every rank: hand this rank's result to the coordinator, which commits (writes the
         manifest) or fails the save; the coordinator's verdict raised on every rank. Sync: a gather
-        and a broadcast. Async: through storage (commit.post_record, await_records), never a
-        collective from the background thread (it could interleave with the training loop's)."""
+        and a broadcast. Async: the commit choreography through storage (commit.run_round), never
+        a collective from the background thread (it could interleave with the training loop's)."""
         comm, storage, save_id = self.comm, self.storage, self.save_id
         if self.options.async_save:
-            try:
-                commit.post_record(storage, save_id, comm.rank, dataclasses.asdict(result))
-            except Exception as e:
-                # Report the first failure (the data write), not the record that could not follow it.
-                _discard_own_file(storage, save_id, comm.rank)
-                if result.error:
-                    raise rebuild_error(result.error_class, result.error) from e
-                raise CheckpointError(f"rank {comm.rank}: could not report to the coordinator: {e}") from e
-            if not comm.is_coordinator:
-                if result.error:
-                    raise rebuild_error(result.error_class, result.error)
-                return None
-            results = self._await_results()
-            outcome, report = self._commit(results, lease, header)
-            if outcome is not None:
-                raise rebuild_error(*outcome)
-            return report
+            round = commit.Round(storage, save_id, comm.rank, comm.world_size, self.ckpt.timeout,
+                                 f"save to {self.where}")
+            done = commit.run_round(round, lambda: dataclasses.asdict(result),
+                                    lambda records: self._commit([RankResult(**d) for d in records], lease, header),
+                                    after=self._after_commit, wait=False, on_failure=self._failed_async)
+            return None if done is None else done[1]
         results = comm.gather_object(result, step=f"save to {self.where}, step commit")
-        outcome, report = (None, None)
-        if comm.is_coordinator:
-            outcome, report = self._commit(results, lease, header)
-        outcome, report = comm.broadcast_object((outcome, report), step=f"save to {self.where}, step commit")
+        verdict = self._commit_sync(results, lease, header) if comm.is_coordinator else None
+        outcome, report, committed = comm.broadcast_object(verdict, step=f"save to {self.where}, step commit")
         if outcome is not None:
-            _discard_own_file(storage, save_id, comm.rank)   # node-local storage: the coordinator cannot
+            if not committed:   # node-local storage: the coordinator cannot remove this rank's file
+                _discard_own_file(storage, save_id, comm.rank)
             raise rebuild_error(*outcome)
         return report
 
-    def _await_results(self) -> list[RankResult]:
-        """Coordinator of an async save: every rank's record (commit.await_records). A failure
-        record, or ranks missing at the timeout, fail the save at once: its files go (ranks still
-        writing leave theirs to the next save's garbage collection) and the error is raised."""
-        try:
-            records = commit.await_records(self.storage, self.save_id, self.comm.world_size, self.ckpt.timeout,
-                                           f"save to {self.where}")
-        except CheckpointError as e:   # the status is set already
-            _fail(self.storage, self.save_id, type(e).__name__, str(e), status=False)
-            raise
-        return [RankResult(**d) for d in records]
+    def _failed_async(self, error: BaseException, records: list[dict] | None) -> None:
+        """An async save that failed before its commit, seen on this rank: its own file goes; the
+        coordinator, when the ranks' records never all came, removes every file of the save it can
+        see (ranks still writing leave theirs to the next save's garbage collection). A failed
+        commit (records came) removed its files itself, or committed and keeps them."""
+        if records is not None:
+            return
+        _discard_own_file(self.storage, self.save_id, self.comm.rank)
+        if self.comm.is_coordinator:
+            _remove_files(self.storage, self.save_id)
 
     def _committed(self, manifest: Manifest) -> None:
         """Coordinator, after the commit: the default base of this process group's next
@@ -321,19 +308,32 @@ class _SaveJob:
         if self.options.on_commit is not None:
             self.options.on_commit(manifest)
 
-    def _commit(self, results: list[RankResult], lease=None, incremental: dict | None = None):
-        """Coordinator only. Returns (None or (error class name, message), report). A failed save's
-        data files are removed (the previous checkpoint's are never touched: their names carry
-        another save id); a committed one is never removed, even if a step after it failed."""
+    def _commit_sync(self, results: list[RankResult], lease, header: dict | None) -> tuple:
+        """Coordinator of a sync save: the commit and its status, as (outcome, report) to broadcast
+        (outcome None, or (error class name, message)), and whether the checkpoint was committed."""
+        try:
+            done = self._commit(results, lease, header)
+            commit.set_status(self.storage, self.save_id)
+            self._after_commit(done)
+            return None, done[1], True
+        except commit.Verdict as v:
+            commit.set_status(self.storage, self.save_id, v.outcome)
+            return v.outcome, None, v.committed
+
+    def _commit(self, results: list[RankResult], lease=None, incremental: dict | None = None) -> tuple:
+        """Coordinator only: the manifest, then the report; returns (manifest, report). The
+        caller sets the status. A failure is a commit.Verdict ((error class name, message)) and
+        removes the save's data files (the previous checkpoint's are never touched: their names
+        carry another save id)."""
         storage, save_id = self.storage, self.save_id
         failed = [r for r in results if r.error]
         if failed:
             msg = "; ".join(r.error for r in failed) + " (nothing was committed; the previous checkpoint is untouched)"
-            return _fail(storage, save_id, failed[0].error_class, msg), None
+            raise commit.Verdict(_fail(storage, save_id, failed[0].error_class, msg))
         lost = lease.lost() if lease is not None else None
         if lost:
-            return _fail(storage, save_id, "CheckpointLockedError",
-                         f"{lost}; this save was not committed (the previous checkpoint is untouched)"), None
+            raise commit.Verdict(_fail(storage, save_id, "CheckpointLockedError",
+                                       f"{lost}; this save was not committed (the previous checkpoint is untouched)"))
         committed = False
         try:
             t0 = time.perf_counter()
@@ -349,18 +349,27 @@ class _SaveJob:
                                                        commit_seconds])
             report = _report(storage, save_id, results, time.perf_counter() - self.t_start, incremental)
             _put_json(storage, REPORT_NAME, report)
-            commit.set_status(storage, save_id)
-            collect_garbage(storage, manifest)
-            self._committed(manifest)
-            return None, report
+            return manifest, report
         except Exception as e:
             if committed:
-                msg = (f"the checkpoint was committed, but rank 0 failed after the commit: {type(e).__name__}: {e}")
-                commit.set_status(storage, save_id, (type(e).__name__, msg))
-                return (type(e).__name__, msg), None
+                raise _failed_after_commit(e) from e
             msg = (f"commit by rank 0 failed: {type(e).__name__}: {e} (nothing was committed; the previous checkpoint "
                    "is untouched)")
-            return _fail(storage, save_id, type(e).__name__, msg), None
+            raise commit.Verdict(_fail(storage, save_id, type(e).__name__, msg)) from e
+
+    def _after_commit(self, done: tuple) -> None:
+        """Coordinator, once the status says committed: garbage collection, then _committed. A
+        committed checkpoint is never removed, even if what follows its commit fails."""
+        try:
+            collect_garbage(self.storage, done[0])
+            self._committed(done[0])
+        except Exception as e:
+            raise _failed_after_commit(e) from e
+
+
+def _failed_after_commit(e: BaseException) -> commit.Verdict:
+    return commit.Verdict((type(e).__name__, "the checkpoint was committed, but rank 0 failed after the commit: "
+                                             f"{type(e).__name__}: {e}"), committed=True)
 
 
 def _report(storage: Storage, save_id: str, results: list[RankResult], total_seconds: float,
@@ -380,18 +389,21 @@ def _report(storage: Storage, save_id: str, results: list[RankResult], total_sec
     return report
 
 
-def _fail(storage: Storage, save_id: str, error_class: str, msg: str, status: bool = True) -> tuple[str, str]:
-    """Coordinator: mark the save failed and remove its data files (all ranks' where the storage
-    is shared), so that a full disk gets its space back and the next save can succeed."""
-    if status:
-        commit.set_status(storage, save_id, (error_class, msg))
+def _fail(storage: Storage, save_id: str, error_class: str, msg: str) -> tuple[str, str]:
+    """Coordinator: remove a failed save's data files; returns its outcome (class name, message)."""
+    _remove_files(storage, save_id)
+    return error_class, msg
+
+
+def _remove_files(storage: Storage, save_id: str) -> None:
+    """Coordinator: remove the data files of save `save_id` (all ranks' where the storage is
+    shared), so that a full disk gets its space back and the next save can succeed."""
     try:
         for rel in storage.list(DATA_DIR):
             if rel.rsplit("/", 1)[-1].startswith(f"{save_id}-"):
                 storage.delete(rel)
     except Exception as e:   # the storage may be what failed; the save's own error matters more
         log.warning("omnickpt: could not remove the files of the failed save in %s: %s", storage.describe(), e)
-    return error_class, msg
 
 
 def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None) -> tuple:

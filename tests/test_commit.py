@@ -144,3 +144,88 @@ def test_poll_on_the_real_clock_gives_up_after_the_timeout():
     with pytest.raises(CheckpointTimeoutError):
         commit.poll(lambda: None, timeout=0.2, on_timeout=lambda: CheckpointTimeoutError("nobody"))
     assert time.monotonic() - t0 >= 0.2
+
+
+# ---------------------------------------------------------------------- the choreography (run_round)
+def _round(st, rank: int, world: int = 3, timeout: float = 10) -> commit.Round:
+    return commit.Round(st, "s2", rank, world, timeout, "save to X")
+
+
+def _ranks(st, world: int, local, finish=None, after=None, skip=(), timeout: float = 10):
+    """Run run_round on `world` threads (rank r's local is local(r)); each rank's value or error."""
+    out, failures = {}, {}
+
+    def one(r):
+        try:
+            out[r] = commit.run_round(_round(st, r, world, timeout), lambda: local(r), finish or (lambda recs: recs),
+                                      after=after, on_failure=lambda e, recs: failures.setdefault(r, recs))
+        except BaseException as e:
+            out[r] = e
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world) if r not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, failures
+
+
+def test_a_round_commits_with_every_rank_record_in_rank_order(tmp_path):
+    st = _storage(tmp_path)
+    out, failures = _ranks(st, 3, lambda r: (time.sleep(0.02 * (3 - r)), {"bytes": r})[1])
+    assert [rec["bytes"] for rec in out[0]] == [0, 1, 2] and [rec["rank"] for rec in out[0]] == [0, 1, 2]
+    assert out[1] is None and out[2] is None and failures == {}
+    assert commit.read_status(st, "s2") == {"state": "committed"}
+
+
+def test_a_round_with_one_rank_failing_fails_on_every_rank_with_its_class(tmp_path):
+    st = _storage(tmp_path)
+    finished = []
+
+    def local(r):
+        if r == 1:
+            raise CorruptCheckpointError("block 7 is damaged")
+        return {}
+    out, failures = _ranks(st, 3, local, finish=finished.append)
+    assert isinstance(out[0], CorruptCheckpointError) and "rank 1: CorruptCheckpointError: block 7" in str(out[0])
+    assert isinstance(out[1], CorruptCheckpointError) and str(out[1]) == "block 7 is damaged"
+    assert isinstance(out[2], CorruptCheckpointError)   # the waiting rank: the coordinator's verdict
+    assert finished == [] and commit.read_status(st, "s2")["state"] == "failed"
+    assert failures[0] is None   # the coordinator cleaned up, without records
+
+
+def test_a_round_with_one_rank_missing_names_it_at_the_timeout(tmp_path):
+    st = _storage(tmp_path)
+    out, failures = _ranks(st, 3, lambda r: {}, skip=(2,), timeout=0.5)
+    assert isinstance(out[0], CheckpointTimeoutError) and "rank(s) 2 did not report" in str(out[0])
+    assert isinstance(out[1], CheckpointTimeoutError)   # rank 1 waits for a verdict and hears of the timeout
+    assert commit.read_status(st, "s2")["state"] == "failed" and 0 in failures
+
+
+def test_a_failed_commit_sets_the_status_and_cleans_up_with_the_records(tmp_path):
+    st = _storage(tmp_path)
+
+    def finish(records):
+        raise StorageError("disk full")
+    out, failures = _ranks(st, 2, lambda r: {"r": r}, finish=finish)
+    assert isinstance(out[0], StorageError) and str(out[0]) == "disk full"
+    assert isinstance(out[1], StorageError) and "rank 0: StorageError: disk full" in str(out[1])
+    assert [rec["r"] for rec in failures[0]] == [0, 1]
+
+
+def test_a_verdict_after_the_commit_is_raised_as_its_class_with_its_message(tmp_path):
+    st = _storage(tmp_path)
+
+    def after(value):
+        raise commit.Verdict(("StorageError", "committed, but retention failed"), committed=True)
+    out, _ = _ranks(st, 2, lambda r: {}, after=after)
+    assert isinstance(out[0], StorageError) and str(out[0]).endswith("committed, but retention failed")
+    # (rank 1 went on once the status said committed, or hears of the failure: the race is real)
+    assert commit.read_status(st, "s2") == {"state": "failed", "error": "committed, but retention failed",
+                                            "class": "StorageError"}
+
+
+def test_a_rank_whose_record_reports_a_failure_raises_it(tmp_path):
+    st = _storage(tmp_path)
+    out, _ = _ranks(st, 2, lambda r: {"error": f"rank {r}: disk gone", "error_class": "StorageError"} if r else {})
+    assert isinstance(out[1], StorageError) and str(out[1]) == "rank 1: disk gone"
+    assert isinstance(out[0], StorageError) and "rank 1: disk gone" in str(out[0])
