@@ -131,3 +131,31 @@ def test_a_failed_collect_is_settled_before_any_later_phase(tmp_path, ckpt, monk
         ckpt.save(str(tmp_path / "a"), _state(), metadata={"x": float("nan")})
     assert calls == ["collect", "agree"]
     assert not omnickpt.is_committed(str(tmp_path / "a"))
+
+
+# ---------------------------------------------------------------------- a failure after the commit
+def _fail_after_commit(rank, world_size, path):
+    import torch.distributed as dist
+
+    def on_commit(manifest):
+        raise OSError("retention could not list the root")
+    model = nn.Linear(4, 4)
+    torch.manual_seed(0)
+    nn.init.normal_(model.weight)
+    try:
+        omnickpt.Checkpointer().save(path, {"model": model}, on_commit=on_commit, process_group=dist.group.WORLD)
+    except Exception as e:
+        message = str(e)
+    else:
+        message = None
+    target = {"model": nn.Linear(4, 4)}
+    dist.barrier()
+    omnickpt.load(path, target)   # every rank's file is still there
+    return message, torch.equal(target["model"].weight, model.weight)
+
+
+def test_a_sync_save_failing_after_its_commit_keeps_every_ranks_files(tmp_path):
+    from dist import run_ranks
+    out = run_ranks(2, _fail_after_commit, str(tmp_path / "a"))
+    for message, same in out:
+        assert "committed, but rank 0 failed after the commit" in message and same
