@@ -17,14 +17,14 @@ import torch
 from omnickpt import commit
 from omnickpt.version import __version__
 from omnickpt.adapters import collect_save
+from omnickpt.chain import choose_base, incremental_job
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, build_manifest, collect_garbage, persist, snapshot
-from omnickpt.engine.incremental import BLOCK_BYTES, Base, WriteMeta
-from omnickpt.engine.save import Encoding, Incremental, data_file_name, stage_layout
+from omnickpt.engine.incremental import BLOCK_BYTES
+from omnickpt.engine.save import Encoding, data_file_name, stage_layout
 from omnickpt.engine.staging import gc_paused
 from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
-from omnickpt.errors import (CheckpointError, NotCommittedError, PlanError, UnsafeCheckpointError, UnsupportedError,
-                             rebuild_error)
+from omnickpt.errors import CheckpointError, PlanError, UnsupportedError, rebuild_error
 from omnickpt.format import DATA_DIR, MANIFEST_NAME, Manifest, checksum, dtype_name, encode_object
 from omnickpt.format.codec import check_codec
 from omnickpt.format.quant import check_scheme, is_moment, quantizable
@@ -33,7 +33,6 @@ from omnickpt.lease import acquire
 from omnickpt.monitor import PhaseTimer, summarize
 from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, structure_digest, write_items
 from omnickpt.storage import Storage, storage_for
-from omnickpt.storage.linked import LinkedStorage, check_sibling_name, sibling_path, split_reference
 
 if TYPE_CHECKING:
     from omnickpt.api import Checkpointer
@@ -122,7 +121,7 @@ class _SaveJob:
         self.timer = PhaseTimer()
         _reset_peak_rss(self.timer)
         self.collected = _Collected()
-        self.chain: tuple | None = None          # incremental (coordinator): the base, as _chain_base found it
+        self.chain: tuple | None = None          # incremental (coordinator): the base, as chain.choose_base found it
         self.held: References | None = None      # incremental (coordinator): reference records on its base folders
         self.gathered: list = []
         self.save_id = ""
@@ -145,7 +144,7 @@ class _SaveJob:
             o = self.options
             if o.incremental and self.comm.is_coordinator:
                 with self.timer.phase("plan"):
-                    self.chain, self.held = _chain_base(self.path, o.base, o.full_every, o.block_bytes or BLOCK_BYTES,
+                    self.chain, self.held = choose_base(self.path, o.base, o.full_every, o.block_bytes or BLOCK_BYTES,
                                                         self.ckpt._committed.get(id(self.comm)), holder=self.ckpt._job)
         except Exception as e:  # every rank must learn of it, or the others hang in the exchange
             return e
@@ -180,7 +179,7 @@ class _SaveJob:
         self.encoding = Encoding(o.codec, [s.local.element_size() for s in shards], codecs,
                                  [dtype_name(s.dtype) for s in shards] if codecs else ())
         if o.incremental:
-            self.incremental = _incremental_job(self.gathered[0][5], self.collected, self.writes, self.path)
+            self.incremental = incremental_job(self.gathered[0][5], self.collected.shards, self.writes, self.path)
 
     def snapshot(self) -> bool:
         """Every rank, no collective: the part of the save training waits for (the stall ends
@@ -499,152 +498,6 @@ def _quantized_writes(state: dict, shards: list, scheme: str | None) -> list[str
     if keys and not any(out):
         log.info("omnickpt: quantize_optimizer=%r: the optimizers hold no moments to quantize", scheme)
     return out
-
-
-def _next_to(path: str, other: str) -> str | None:
-    """The folder name of checkpoint `other` if it lies next to `path` (the storage layer's
-    sibling_path of its name is the same location), "" if it is `path` itself, else None."""
-    where = storage_for(other).describe()
-    if where == storage_for(path).describe():
-        return ""
-    name = str(other).rstrip("/").rpartition("/")[2]
-    try:
-        return name if storage_for(sibling_path(path, name)).describe() == where else None
-    except ValueError:   # no parent folder to go up from, or not a folder name
-        return None
-
-
-def _chain_base(path: str, base: str | None, full_every: int | None, block_bytes: int = BLOCK_BYTES,
-                previous: str | None = None, holder: str = "omnickpt"
-                ) -> tuple[tuple[bytes | None, str | None, int, int], References | None]:
-    """Coordinator of an incremental save: ((the base's manifest, the base's folder name (None: the
-    checkpoint at `path` itself), this save's place in the chain: 0 for a full save, the block
-    size), the reference records it holds or None). Without `base`: the checkpoint at `path` if
-    there is one, else `previous` (the last one this Checkpointer committed) if it lies next to
-    `path`. A full save when there is no base yet, the base holds no block hashes (an ordinary
-    save) or hashes of another block size, or the chain has reached full_every; a base given but
-    absent, damaged, hidden or not next to `path` is an error (nothing is written).
-
-    Before the base's manifest is read, a reference record (steps.References, of job `holder`) goes
-    into the base's folder, then into every folder next to it whose files the manifest names, so
-    that no save, garbage collection or retention removes what this save is about to reference
-    (given back once it ends; each rank then checks the files it references: Base.drop_unreadable)."""
-    full = (None, None, 0, block_bytes)
-    if base is None and previous is not None and not storage_for(path).exists(MANIFEST_NAME):
-        found = _next_to(path, previous)
-        if found and _base_name(found) and storage_for(previous).exists(MANIFEST_NAME):
-            base = previous
-    where = path if base is None else str(base)
-    name = None
-    if base is not None:
-        found = _next_to(path, where)
-        if found is None:
-            raise ValueError(f"base={base!r}: an incremental checkpoint references data of a checkpoint folder next "
-                             f"to it; {path} and {base} are not in the same folder")
-        if found and not _base_name(found):
-            raise UnsafeCheckpointError(
-                f"base={base!r}: {storage_for(where).describe()} is not a folder a checkpoint may reference (a hidden "
-                f"folder, or a name with ':' or '\\'); the base of an incremental save must be a committed omnickpt "
-                f"checkpoint folder next to {path}")
-        name = found or None   # "": the checkpoint this save replaces
-    store = storage_for(where)
-    if not store.exists(MANIFEST_NAME):
-        if base is not None and name is not None:
-            raise NotCommittedError(f"base={base!r}: no checkpoint there ({store.describe(MANIFEST_NAME)} is missing); "
-                                    f"the base of an incremental save must be a committed checkpoint folder next to "
-                                    f"{path}")
-        return full, None
-    held = References(holder, f"incremental save to {path}")
-    try:
-        if name is not None and not _hold(held, store, path):
-            return full, None
-        try:
-            data = store.read_bytes(MANIFEST_NAME)   # after the record (the protocol of omnickpt/steps.py)
-        except FileNotFoundError:   # retired since: no base after all
-            if base is not None and name is not None:
-                raise NotCommittedError(f"base={base!r}: its checkpoint was removed as this save started "
-                                        f"({store.describe(MANIFEST_NAME)} is gone)") from None
-            held.release()
-            return full, None
-        try:
-            head = Manifest.decode(data, store.describe(MANIFEST_NAME), names=set())
-            folders = _base_folders(head, name)
-        except CheckpointError as e:
-            if base is not None and name is not None:
-                raise
-            # The checkpoint this save replaces is damaged: nothing of it can be trusted, so all is written.
-            log.warning("omnickpt: incremental save over %s: its manifest cannot be used (%s); saving in full", path, e)
-            held.release()
-            return full, None
-        if (head.block_bytes != block_bytes or head.compression
-                or (full_every is not None and head.chain + 1 >= full_every)):
-            held.release()
-            return full, None
-        for other in sorted(folders - {name, _folder_name(path)}):
-            if not _hold(held, storage_for(sibling_path(path, other)), path):
-                return full, None
-        return (data, name, head.chain + 1, block_bytes), held
-    except BaseException:
-        held.release()
-        raise
-
-
-def _hold(held: References, storage: Storage, path: str) -> bool:
-    """Put a reference record of the save to `path` into the folder of `storage`; if that fails (a
-    read-only or vanished folder), give back every record held and say False: data that nothing
-    protects is not referenced, the save writes it in full (and still succeeds)."""
-    try:
-        held.hold(storage)
-        return True
-    except (CheckpointError, OSError) as e:
-        log.warning("omnickpt: incremental save to %s: cannot record in %s that it references data there (%s: %s); "
-                    "saving in full", path, storage.describe(), type(e).__name__, e)
-        held.release()
-        return False
-
-
-def _folder_name(path: str) -> str:
-    return str(path).rstrip("/").rpartition("/")[2]
-
-
-def _base_name(name: str) -> bool:
-    """Whether a reference may name the folder `name` (storage.linked.check_sibling_name: not hidden)."""
-    try:
-        check_sibling_name(name, name)
-        return True
-    except UnsafeCheckpointError:
-        return False
-
-
-def _base_folders(head: Manifest, name: str | None) -> set[str]:
-    """The folders next to the new checkpoint whose data files a base's manifest (untrusted) names,
-    as the new checkpoint will reference them; UnsafeCheckpointError for a file a reference may not
-    name (storage.linked.split_reference: not a data file, a hidden folder)."""
-    folders = set()
-    for f in head.files:
-        rel = f.path if name is None or f.path.startswith("../") else f"../{name}/{f.path}"
-        found = split_reference(rel)
-        if found is not None:
-            folders.add(found[0])
-    return folders
-
-
-def _incremental_job(chain: tuple, collected: "_Collected", writes, path: str) -> Callable[[], tuple]:
-    """This rank's part of an incremental save, made in the background persist (the base's
-    manifest is decoded there, for the tensors this rank writes only, not on the stall path)."""
-    data, name, depth, block_bytes = chain
-
-    def make() -> tuple:
-        metas = [WriteMeta(s.name, tuple(s.shape), dtype_name(s.dtype), tuple(s.box.offsets), tuple(s.box.lengths),
-                           s.dtype.itemsize) for s in (collected.shards[w.index] for w in writes)]
-        base = None
-        if data is not None:
-            manifest = Manifest.decode(data, f"base {name or 'checkpoint'} manifest", names={m.name for m in metas})
-            # Reads the sizes of the base files this rank references (through the folders next to `path`).
-            base = Base(manifest, name, LinkedStorage(storage_for(path), path), own=_folder_name(path))
-        return (Incremental(metas, base, block_bytes),
-                {"block_bytes": block_bytes, "base": name if data is not None else None, "chain": depth})
-    return make
 
 
 @gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
