@@ -122,7 +122,7 @@ def export_worker(rank, world_size, lib, folder, cfg, repeats, scratch):
         return path
 
     if lib == "omnickpt":
-        from omnickpt.formats.hf import export_hf
+        from omnickpt.export import export_hf
 
         def run(i):
             path = fresh(i)
@@ -142,7 +142,7 @@ def export_worker(rank, world_size, lib, folder, cfg, repeats, scratch):
 
 
 def export_alone_worker(rank, world_size, scratch, repeats):
-    from omnickpt.formats.hf import export_hf
+    from omnickpt.export import export_hf
     src = os.path.join(scratch, "omnickpt-0", "ckpt")
 
     def run(i):

@@ -27,6 +27,7 @@ import omnickpt
 from dist import run_ranks
 from models import ToyMLP, full_values, hand_made_dcp, stepped, toy
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
+from omnickpt.export.dcp import export_dcp
 from omnickpt.formats import dcp as dcp_format
 from omnickpt.storage import storage_for
 
@@ -130,7 +131,7 @@ def test_flat_model_state_dict_and_flattened_optimizer(tmp_path):
 # ---------------------------------------------------------------------- export
 def test_export_of_a_two_rank_omnickpt_checkpoint_loads_with_dcp(saved, tmp_path):
     out = str(tmp_path / "exported")
-    report = dcp_format.export_dcp(saved["omni"], out, progress=False)
+    report = export_dcp(saved["omni"], out, progress=False)
     assert report["tensors"] == len(saved["values"]) and report["chunks"] > report["tensors"]   # FSDP2 shards kept
     model = ToyMLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
@@ -154,7 +155,7 @@ def test_export_of_a_two_rank_omnickpt_checkpoint_loads_with_dcp(saved, tmp_path
 def test_export_refuses_a_destination_that_is_not_empty(saved, tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(omnickpt.errors.CheckpointError, match="not empty"):
-        dcp_format.export_dcp(saved["omni"], str(tmp_path), progress=False)
+        export_dcp(saved["omni"], str(tmp_path), progress=False)
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 

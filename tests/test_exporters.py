@@ -2,7 +2,9 @@
 checkpoint reader, share one destination check and one cleanup, and the readers never import them."""
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -110,13 +112,29 @@ def test_destination_removes_only_what_the_export_wrote(tmp_path):
     assert os.listdir(out) == ["mine-not"]   # not made by the export: the folder stays, its file too
 
 
-def test_old_import_paths_lead_to_the_exporters():
-    from omnickpt.formats import dcp, export, hf
-    assert dcp.export_dcp is export_dcp and hf.export_hf is export_hf
-    assert hf._tied_duplicates is export_hf_module._tied_duplicates and hf.TOP_LEVEL == ""
-    assert export.local_dir is omnickpt.export.destination.local_dir
+@pytest.mark.parametrize("old, new", [
+    ("omnickpt.formats.hf.export_hf", "omnickpt.export.hf.export_hf (omnickpt.export.export_hf)"),
+    ("omnickpt.formats.hf.TOP_LEVEL", "omnickpt.export.hf.TOP_LEVEL"),
+    ("omnickpt.formats.hf._tied_duplicates", "omnickpt.export.hf._tied_duplicates"),
+    ("omnickpt.formats.dcp.export_dcp", "omnickpt.export.dcp.export_dcp (omnickpt.export.export_dcp)"),
+    ("omnickpt.formats.dcp.EXPORT_CHUNK_BYTES", "omnickpt.export.dcp.EXPORT_CHUNK_BYTES"),
+    ("omnickpt.formats.export.local_dir", "omnickpt.export.destination.local_dir"),
+])
+def test_old_import_paths_name_the_exporters_new_home(old, new):
+    # The readers keep no alias into the layer above: an old path fails, naming where the name lives now,
+    # both as an attribute and as `from ... import` (which keeps an ImportError's message intact).
+    module_name, _, name = old.rpartition(".")
+    module = importlib.import_module(module_name)
+    message = re.escape(f"{old} moved to {new}")
+    with pytest.raises(ImportError, match=f"^{message}$"):
+        getattr(module, name)
+    with pytest.raises(ImportError, match=f"^{message}$"):
+        exec(f"from {module_name} import {name}", {})
+    for home in re.findall(r"omnickpt\.[\w.]+\w", new):   # and every path the message gives leads to it
+        home_module, _, home_name = home.rpartition(".")
+        assert hasattr(importlib.import_module(home_module), home_name), home
     with pytest.raises(AttributeError):
-        dcp.no_such_name
+        module.no_such_name
 
 
 def test_readers_import_no_exporter():

@@ -18,7 +18,8 @@ import torch
 import omnickpt
 from dist import run_ranks
 from omnickpt.errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsupportedError
-from omnickpt.formats.hf import _tied_duplicates, export_hf, read_manifest
+from omnickpt.export.hf import _tied_duplicates, export_hf
+from omnickpt.formats.hf import read_manifest
 from omnickpt.storage import storage_for
 from omnickpt.transforms import Drop, Rename
 

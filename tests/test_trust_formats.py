@@ -36,8 +36,9 @@ from dist import run_ranks
 from models import hand_made_dcp
 from omnickpt.convert import convert
 from omnickpt.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError, UnsupportedError
+from omnickpt.export.dcp import export_dcp
+from omnickpt.export.hf import export_hf
 from omnickpt.formats import dcp as dcp_format
-from omnickpt.formats.hf import export_hf
 from omnickpt.storage import storage_for
 from omnickpt.transforms import Rename
 
@@ -185,7 +186,7 @@ def test_a_dcp_export_of_top_level_tensors_is_keyed_as_dcp_save_keys_them(tmp_pa
     convert(str(hf), flat, to="omnickpt", transforms=[Rename.regex("^model/", "")], progress=False)
     assert sorted(omnickpt.api.read_manifest(storage_for(flat)).tensors) == ["bias", "layer.weight"]
     out = str(tmp_path / "dcp")
-    dcp_format.export_dcp(flat, out, progress=False)
+    export_dcp(flat, out, progress=False)
     sd = {"layer.weight": torch.zeros(3, 2), "bias": torch.zeros(3)}
     dcp.load(sd, checkpoint_id=out, no_dist=True)    # torch itself: "layer.weight." would be a missing key
     assert all(torch.equal(sd[k], weights[k]) for k in weights)
@@ -200,7 +201,7 @@ def test_a_dcp_export_writes_the_lowest_ranks_per_rank_tensor_and_skips_the_othe
     src, out = str(tmp_path / "src"), str(tmp_path / "dcp")
     run_ranks(2, _save_per_rank_values, src)
     assert {"big/@rank0", "big/@rank1"} <= set(omnickpt.api.read_manifest(storage_for(src)).tensors)
-    dcp_format.export_dcp(src, out, progress=False)
+    export_dcp(src, out, progress=False)
     sd = {"big": torch.zeros(512, 1024)}
     dcp.load(sd, checkpoint_id=out, no_dist=True)
     assert torch.equal(sd["big"], torch.full((512, 1024), 1.0))
@@ -212,7 +213,7 @@ def test_a_dcp_export_refuses_keys_that_collide_naming_both_and_writes_nothing(t
     omnickpt.save(src, {"model": nn.Linear(2, 2), "model.weight": 5})
     new = tmp_path / "new"
     with pytest.raises(UnsupportedError) as err:
-        dcp_format.export_dcp(src, str(new), progress=False)
+        export_dcp(src, str(new), progress=False)
     message = str(err.value)
     assert "'model.weight'" in message and "tensor 'model/weight'" in message and "object 'model.weight'" in message
     assert "Nothing was written" in message
@@ -222,7 +223,7 @@ def test_a_dcp_export_refuses_keys_that_collide_naming_both_and_writes_nothing(t
     omnickpt.save(str(tmp_path / "src2"), {"cfg": {"a.b": 1, "a": {"b": 2}}})
     with pytest.raises(UnsupportedError, match=r"'cfg.a.b'.*\['cfg', 'a.b'\].*\['cfg', 'a', 'b'\]|"
                                                r"\['cfg', 'a.b'\].*\['cfg', 'a', 'b'\].*'cfg.a.b'"):
-        dcp_format.export_dcp(str(tmp_path / "src2"), str(empty), progress=False)
+        export_dcp(str(tmp_path / "src2"), str(empty), progress=False)
     assert os.listdir(empty) == []               # ... or empty
 
 
@@ -231,7 +232,7 @@ def test_a_dcp_export_to_a_full_disk_is_a_storage_error_and_leaves_nothing(tmp_p
     omnickpt.save(src, {"model": nn.Linear(1024, 1024)})     # 4 MiB of weights onto a 1 MiB disk
     with _small_disk(tmp_path / "disk") as disk:
         with pytest.raises(StorageError) as err:
-            dcp_format.export_dcp(src, str(disk / "out"), progress=False)
+            export_dcp(src, str(disk / "out"), progress=False)
         assert str(disk / "out" / "__0_0.distcp") in str(err.value)
         assert "ENOSPC" in str(err.value) and "free space" in str(err.value)
         assert os.listdir(disk) == []            # the folder the export made is gone too

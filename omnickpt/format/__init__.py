@@ -1,12 +1,13 @@
 """The on-storage format: manifest schema, versioning, checksums, safe object encoding.
 
 docs/format.md is the human-readable specification of what this package writes. records.py holds
-the manifest's records; v3.py (binary, written by default) and legacy.py (JSON, versions 1 and 2)
-their encodings, over header.py (the fields every version shares); manifest.py picks the codec.
+the records a manifest is made of; v3.py (binary, written by default) and legacy.py (JSON, versions
+1 and 2) their encodings, over header.py (the fields every version shares); manifest.py, on top,
+defines `Manifest` and picks the codec its bytes take.
 The geometry of boxes (overlap, tiling) lives in omnickpt/layout.py.
 """
 from omnickpt.format.checksum import checksum
-from omnickpt.format.manifest import manifest_document
+from omnickpt.format.manifest import Manifest, manifest_document
 from omnickpt.format.objects import ShardRef, decode_object, encode_object
 from omnickpt.format.records import (
     CHUNK_BYTES,
@@ -18,7 +19,6 @@ from omnickpt.format.records import (
     BoxColumns,
     ColumnTable,
     FileEntry,
-    Manifest,
     ObjectEntry,
     SavedBox,
     Sums,

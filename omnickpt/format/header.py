@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from omnickpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from omnickpt.format.codec import STORED_CODECS
-from omnickpt.format.records import (CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, BoxColumns, FileEntry, Manifest,
-                                     ObjectEntry, TensorEntry)
+from omnickpt.format.records import (CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, BoxColumns, FileEntry, ObjectEntry,
+                                     TensorEntry)
+
+if TYPE_CHECKING:   # Manifest sits above the codecs (format/manifest.py), which hands its class to them
+    from omnickpt.format.manifest import Manifest
 
 # What a manifest may declare before anything is believed: larger values are damage, not data.
 MAX_DIMS = 64
@@ -150,9 +153,10 @@ def _object_entry(e: dict, key: str, where: str, files: list[FileEntry]) -> Obje
 
 
 def decode_manifest_fields(doc: dict, where: str, version: int, chunk_bytes: int, files: list[FileEntry],
-                           tensors: dict[str, TensorEntry]) -> Manifest:
+                           tensors: dict[str, TensorEntry], make: Callable[..., Manifest]) -> Manifest:
     """The manifest of a document whose version, chunk size, files and tensors are read already:
-    its objects and the save's facts, checked in that order."""
+    its objects and the save's facts, checked in that order, given to `make` (the Manifest class,
+    which format/manifest.py passes down) as keywords."""
     objects = decode_objects(doc, where, files)
     world_size = int_field(doc["world_size"], "world_size")
     if world_size < 1:
@@ -166,7 +170,7 @@ def decode_manifest_fields(doc: dict, where: str, version: int, chunk_bytes: int
     if compression is not None and compression not in STORED_CODECS:
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r:.40} (this omnickpt knows "
                                      f"{', '.join(STORED_CODECS)}): upgrade omnickpt, or the manifest is damaged")
-    return Manifest(
+    return make(
         save_id=str(doc["save_id"]), world_size=world_size, files=files, tensors=tensors,
         objects=objects, layout=dict(doc.get("layout") or {}), tool_version=str(doc.get("tool_version", "")),
         created=float(created), version=version, chunk_bytes=chunk_bytes or CHUNK_BYTES, compression=compression,

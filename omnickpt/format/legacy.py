@@ -12,25 +12,29 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format.header import (check_version, chunk_bytes_field, decode_files, decode_manifest_fields,
                                     encode_header, int_field, ints_field, stored_columns)
-from omnickpt.format.records import FileEntry, Manifest, SavedBox, Sums, TensorEntry, dtype_from_name
+from omnickpt.format.records import FileEntry, SavedBox, Sums, TensorEntry, dtype_from_name
 from omnickpt.layout import overlap_problem
+
+if TYPE_CHECKING:   # Manifest sits above the codecs (format/manifest.py), which hands its class to them
+    from omnickpt.format.manifest import Manifest
 
 
 # ------------------------------------------------------------------------------------ reading
-def decode_document(doc: dict, where: str, wanted: set | None = None) -> Manifest:
-    """The manifest of a version-1 or version-2 JSON document; with `wanted`, only those tensors."""
+def decode_document(doc: dict, where: str, wanted: set | None, make: Callable[..., Manifest]) -> Manifest:
+    """The manifest of a version-1 or version-2 JSON document, built by `make` (the Manifest class);
+    with `wanted`, only those tensors."""
     version = check_version(doc, where, binary=False)
     chunk_bytes = chunk_bytes_field(doc, version)
     files = decode_files(doc, where, version)
     ctx = _Context(where, files, chunk_bytes, version)
     tensors = {name: _tensor(t, name, ctx) for name, t in doc["tensors"].items()
                if wanted is None or name in wanted}
-    return decode_manifest_fields(doc, where, version, chunk_bytes, files, tensors)
+    return decode_manifest_fields(doc, where, version, chunk_bytes, files, tensors, make)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,22 @@
-"""The records of a checkpoint's manifest, and nothing else: what a manifest says, not how it is
+"""The records a checkpoint's manifest is made of, and nothing else: what a manifest says, not how it is
 stored (docs/format.md; DCP's metadata.py plays this role there).
 
-`Manifest` is the one global record of a checkpoint: its data files (`FileEntry`), its tensors
+A manifest (`Manifest`, format/manifest.py) lists its data files (`FileEntry`), its tensors
 (`TensorEntry`: a global shape and dtype, and the stored boxes in two views, `SavedBox` records
-or `BoxColumns` arrays), its objects (`ObjectEntry`) and the save's facts (layout, compression,
-incremental base). `Sums` is the CRC32C grid of a stored box's bytes.
+or `BoxColumns` arrays) and its objects (`ObjectEntry`). `Sums` is the CRC32C grid of a stored
+box's bytes.
 
-How a manifest is stored lives beside it: format/v3.py (the binary version 3, written by default,
-with the header reader retention uses), format/legacy.py (the JSON of versions 1 and 2) and
-format/header.py (the fields every version shares, validated as untrusted input).
-`Manifest.encode` and `Manifest.decode` are the entry points to those codecs.
+How a manifest is stored sits above these records: format/header.py (the fields every version
+shares, validated as untrusted input), format/v3.py (the binary version 3, written by default,
+with the header reader retention uses) and format/legacy.py (the JSON of versions 1 and 2).
+`Manifest` itself lives on top of them, in format/manifest.py, so that its `encode` and `decode`
+reach the codecs by an ordinary downward import.
 """
 from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -411,59 +411,3 @@ class FileEntry:
     path: str   # relative to the checkpoint directory, '/'-separated
     rank: int   # the rank that wrote it
     bytes: int
-
-
-@dataclass
-class Manifest:
-    save_id: str
-    world_size: int
-    files: list[FileEntry]
-    tensors: dict[str, TensorEntry]
-    objects: dict[str, list[ObjectEntry]]
-    layout: dict[str, Any] = field(default_factory=dict)
-    tool_version: str = ""
-    created: float = 0.0
-    version: int = FORMAT_VERSION
-    chunk_bytes: int = CHUNK_BYTES
-    # The codec of every stored chunk (format/codec.py), None for raw bytes; version 3 only.
-    compression: str | None = None
-    # Incremental saves (engine/incremental.py), version 3 only: the block grid (bytes of rows per
-    # block) the content hashes are taken on, each tensor's block hashes (uint64, box after box),
-    # the sibling checkpoint the save compared against and how many incremental saves since the
-    # last full one. None: no hashes (an ordinary save).
-    block_bytes: int | None = None
-    hashes: dict[str, np.ndarray] = field(default_factory=dict)
-    # Lossy quantization (save(quantize_optimizer=), format/quant.py), version 3 only: per tensor
-    # stored quantized, {"scheme": "int8" | "fp8", "max_error": the largest |x - x'| measured}.
-    quantized: dict[str, dict] = field(default_factory=dict)
-    base: str | None = None
-    chain: int = 0
-    # True once a transform has rewritten it (omnickpt/transforms.py); never stored.
-    derived: bool = False
-
-    def object_for_rank(self, key: str, rank: int) -> ObjectEntry:
-        """The value saved by `rank`, or else by the lowest saving rank (scale-up)."""
-        entries = self.objects[key]
-        for e in entries:
-            if rank in e.ranks:
-                return e
-        return min(entries, key=lambda e: min(e.ranks))
-
-    def encode(self) -> bytes:
-        """The stored manifest: version 3 (binary, docs/format.md) unless `version` asks for the JSON
-        of version 2. Every box must carry its own chunk grid (start = its offset, end = its end,
-        size = chunk_bytes): derived manifests (transforms) are never stored."""
-        # The codecs build these records, so they sit above this module; these two long-standing
-        # entry points reach them when called: format's one upward reference (as
-        # CheckpointManager.__new__ reaches tiered), never made at import.
-        from omnickpt.format.manifest import encode_manifest
-        return encode_manifest(self)
-
-    @staticmethod
-    def decode(data: bytes, where: str = "manifest", names=None) -> "Manifest":
-        """A manifest from its stored bytes (any version), validated as untrusted input: damage is a
-        CorruptCheckpointError naming `where` and the field. With `names`, only those tensors are
-        decoded and validated (the others are absent from `tensors`); a version-3 manifest then
-        costs in proportion to their boxes."""
-        from omnickpt.format.manifest import decode_manifest
-        return decode_manifest(data, where, names)

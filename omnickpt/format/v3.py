@@ -16,7 +16,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
@@ -27,8 +27,11 @@ from omnickpt.format.header import (MAX_INT, MAX_VERSION, check_version, chunk_b
                                     decode_manifest_fields, encode_header, int_field, ints_field, json_document,
                                     refuse_constant, stored_columns)
 from omnickpt.format.quant import QUANT_DTYPES
-from omnickpt.format.records import FORMAT_VERSION, BoxColumns, Manifest, TensorEntry, dtype_from_name
+from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TensorEntry, dtype_from_name
 from omnickpt.layout import bulk_disjoint, overlap_problem_arrays
+
+if TYPE_CHECKING:   # Manifest sits above the codecs (format/manifest.py), which hands its class to them
+    from omnickpt.format.manifest import Manifest
 
 # The first bytes of a version-3 manifest; a JSON manifest (versions 1, 2) starts with '{'.
 MAGIC = b"OMNICKPT"
@@ -124,15 +127,16 @@ def _narrow_array(a: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ reading
-def decode(data: memoryview, where: str, wanted: set | None) -> Manifest:
-    """The manifest of a version-3 manifest's bytes; with `wanted`, only those tensors are decoded
-    and validated (the others are absent from `tensors`), at a cost in proportion to their boxes."""
+def decode(data: memoryview, where: str, wanted: set | None, make: Callable[..., Manifest]) -> Manifest:
+    """The manifest of a version-3 manifest's bytes, built by `make` (the Manifest class); with
+    `wanted`, only those tensors are decoded and validated (the others are absent from `tensors`),
+    at a cost in proportion to their boxes."""
     p = _checked_prelude(data, where)
     doc = json_document(data[PRELUDE.size:PRELUDE.size + p.header_bytes], where)
     version = check_version(doc, where, binary=True)
     chunk_bytes = chunk_bytes_field(doc, version)
     files = decode_files(doc, where, version)
-    m = decode_manifest_fields(doc, where, version, chunk_bytes, files, {})
+    m = decode_manifest_fields(doc, where, version, chunk_bytes, files, {}, make)
     if m.version != p.version:
         raise corrupt(where, f"the header says version {m.version}, the prelude {p.version}")
     raw = _arrays(doc, data, p, _columns_of(m), where)

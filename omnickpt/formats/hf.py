@@ -272,14 +272,17 @@ def _tensor_record(rec: Any, data_bytes: int) -> tuple[torch.dtype, tuple[int, .
     return dtype, tuple(shape), start, end
 
 
+# Moved up to omnickpt.export (exporters sit above the readers). Resolving them here would import the
+# layer above, so asking for one names its new home instead.
+_MOVED = {"export_hf": "omnickpt.export.hf.export_hf (omnickpt.export.export_hf)",
+          "TOP_LEVEL": "omnickpt.export.hf.TOP_LEVEL", "_tied_duplicates": "omnickpt.export.hf._tied_duplicates"}
 
-# Moved up, to omnickpt.export.hf (exporters sit above the readers): kept here under their old names,
-# imported on first use so that this module never imports the exporter at its own import.
+
 def __getattr__(name: str):
-    """`export_hf`, `TOP_LEVEL` and `_tied_duplicates`, deprecated here: they live in omnickpt.export.hf."""
-    if name in ("export_hf", "TOP_LEVEL", "_tied_duplicates"):
-        from omnickpt.export import hf as moved
-        return getattr(moved, name)
+    if name in _MOVED:
+        # ImportError, not AttributeError: `from omnickpt.formats.hf import export_hf` would replace an
+        # AttributeError with a bare "cannot import name", losing where the name went.
+        raise ImportError(f"{__name__}.{name} moved to {_MOVED[name]}", name=__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -38,13 +38,17 @@ from omnickpt.formats.dcp.reader import read_manifest
 from omnickpt.formats.dcp.unpickle import _METADATA_GLOBALS, MAX_INLINE_BYTES  # noqa: F401  (tests read the table)
 
 
-# Moved up, to omnickpt.export.dcp (exporters sit above the readers): kept here under their old names,
-# imported on first use so that this package never imports the exporters at its own import.
+# Moved up to omnickpt.export (exporters sit above the readers). Resolving them here would import the
+# layer above, so asking for one names its new home instead.
+_MOVED = {"export_dcp": "omnickpt.export.dcp.export_dcp (omnickpt.export.export_dcp)",
+          "EXPORT_CHUNK_BYTES": "omnickpt.export.dcp.EXPORT_CHUNK_BYTES"}
+
+
 def __getattr__(name: str):
-    """`export_dcp` (and EXPORT_CHUNK_BYTES), deprecated here: they live in omnickpt.export.dcp."""
-    if name in ("export_dcp", "EXPORT_CHUNK_BYTES"):
-        from omnickpt.export import dcp as moved
-        return getattr(moved, name)
+    if name in _MOVED:
+        # ImportError, not AttributeError: `from omnickpt.formats.dcp import export_dcp` would replace an
+        # AttributeError with a bare "cannot import name", losing where the name went.
+        raise ImportError(f"{__name__}.{name} moved to {_MOVED[name]}", name=__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
