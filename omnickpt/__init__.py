@@ -16,6 +16,7 @@ from omnickpt.data import DataParallelStateful, PackedTokenLoader, ReshardableSa
 from omnickpt.api import (Checkpointer, LoadResult, SaveHandle, SaveHandleProtocol, is_committed, load,  # noqa: E402
                           read_manifest, save)
 from omnickpt.saving import SaveOptions  # noqa: E402
+from omnickpt.loading import LoadOptions  # noqa: E402
 from omnickpt.errors import (  # noqa: E402
     CheckpointError, CheckpointLockedError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError,
     NotCommittedError, PlanError,
@@ -34,8 +35,8 @@ from omnickpt.integrity import verify  # noqa: E402
 
 __all__ = [
     # saving and loading in a training job
-    "Checkpointer", "CheckpointManager", "LoadResult", "MemoryTierOptions", "SaveHandle", "SaveHandleProtocol",
-    "SaveOptions", "ShardSpec",
+    "Checkpointer", "CheckpointManager", "LoadOptions", "LoadResult", "MemoryTierOptions", "SaveHandle",
+    "SaveHandleProtocol", "SaveOptions", "ShardSpec",
     "TieredCheckpointManager", "clear_memory", "is_committed", "load", "memory_usage", "read_manifest", "save",
     # state that is not a module or an optimizer
     "DataParallelStateful", "PackedTokenLoader", "RNGState", "ReshardableSampler",

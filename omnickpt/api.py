@@ -26,7 +26,7 @@ from omnickpt.fence import SnapshotFence
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError
 from omnickpt.format import MANIFEST_NAME
 from omnickpt.formats import read_manifest  # noqa: F401  (part of omnickpt's API)
-from omnickpt.loading import LoadResult
+from omnickpt.loading import LoadOptions, LoadResult
 from omnickpt.saving import REPORT_NAME, SaveOptions, _logging_failures, _SaveJob
 from omnickpt.steps import step_dir, write_latest
 from omnickpt.storage import Storage, storage_for
@@ -255,17 +255,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
     @gc_paused()   # whole phases make objects by the thousand (engine.staging.gc_paused)
-    def load(self, path: str, state: dict, *, strict: bool = True, allow_pickle: bool = False,
-             process_group: Any = None, verify: bool = True, dedup_reads: bool = False,
-             transforms: Sequence[Any] = (), cast: bool = False, include: Sequence[str] = (),
-             exclude: Sequence[str] = ()) -> LoadResult:
-        """Every rank. See omnickpt.load. Three phases, each ended by one all-gather that settles
-        every rank's outcome (a failure on one rank is raised on all, as the same class): plan
-        (match, plan reads, read objects; differences and paths compared), read (land and verify
-        every byte: nothing is installed unless every rank's bytes are sound), install."""
-        return loading.load(self, path, state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
-                            verify=verify, dedup_reads=dedup_reads, transforms=transforms, cast=cast, include=include,
-                            exclude=exclude)
+    def load(self, path: str, state: dict, *, options: LoadOptions | None = None, **keywords: Any) -> LoadResult:
+        """Every rank. See omnickpt.load; `options` (a LoadOptions) or its fields as keywords (which
+        replace the fields of `options`). Three phases (loading.load), each ended by one
+        all-gather that settles every rank's outcome (a failure on one rank is raised on all, as
+        the same class): plan (match, plan reads, read objects; differences and paths compared),
+        read (land and verify every byte: nothing is installed unless every rank's bytes are
+        sound), install."""
+        return loading.load(self, str(path), state, LoadOptions.of(options, keywords))
 
 
 def _finish_saves_at_exit(ckpt: Checkpointer) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,36 @@ class LoadResult:
     report: dict
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """Everything a load may vary, checked once here (see omnickpt.load for what each does), as
+    SaveOptions is for a save. Adding an option: a field here and the one phase that uses it."""
+    strict: bool = True
+    allow_pickle: bool = False
+    process_group: Any = dataclasses.field(default=None, compare=False)
+    verify: bool = True
+    dedup_reads: bool = False
+    transforms: Sequence[Any] = ()
+    cast: bool = False
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        self.selection   # include= and exclude= are glob patterns: a TypeError names a bad one now
+
+    @classmethod
+    def of(cls, options: LoadOptions | None, keywords: Mapping[str, Any]) -> LoadOptions:
+        """`options` with `keywords` (load()'s keywords) replacing its fields; an unknown keyword is
+        a TypeError naming it."""
+        if options is None:
+            return cls(**keywords)
+        return dataclasses.replace(options, **keywords) if keywords else options
+
+    @property
+    def selection(self) -> Selection:
+        return Selection(self.include, self.exclude)
+
+
 def _bind_foreign(manifest: Manifest, state: dict) -> Manifest:
     """A Hugging Face folder holds one module's tensors, read under the key "model"; a DCP folder
     with no state keys of its own (a flat model state dict, Megatron torch_dist) names the keys
@@ -52,31 +82,30 @@ def _bind_foreign(manifest: Manifest, state: dict) -> Manifest:
     return bind_keys(manifest, moves) if moves else manifest
 
 
-def load(ckpt: Checkpointer, path: str, state: dict, *, strict: bool, allow_pickle: bool, process_group: Any,
-         verify: bool, dedup_reads: bool, transforms: Sequence[Any], cast: bool, include: Sequence[str],
-         exclude: Sequence[str]) -> LoadResult:
+def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> LoadResult:
     """Every rank: Checkpointer.load, with `ckpt`'s threads, staging pool and communicators. Three
     phases, each a local step settled on every rank (Comm.run_step): plan, read, install."""
     t_start = time.perf_counter()
     ckpt._await_snapshots()   # a lazy snapshot still copying would copy the loaded values
     path = str(path)
-    comm = ckpt.comm(process_group)
+    o = options
+    comm = ckpt.comm(o.process_group)
     job = _LoadJob(path, storage_for(path), state, PhaseTimer())
     job.raw_manifest = _shared_manifest(job, comm)
-    dedup = dedup_reads and comm.world_size > 1
+    dedup = o.dedup_reads and comm.world_size > 1
 
     def plan() -> tuple:
         with job.timer.phase("plan"):
-            _plan_load(job, comm, transforms, Selection(include, exclude), cast, strict)
-        if not (strict and job.differences):
-            _check_objects(job, comm, allow_pickle, strict)
+            _plan_load(job, comm, o.transforms, o.selection, o.cast, o.strict)
+        if not (o.strict and job.differences):
+            _check_objects(job, comm, o.allow_pickle, o.strict)
         wants = [(item_key(it), it.nbytes) for it in job.items] if dedup else []
         return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job)
 
     gathered = comm.run_step(f"load from {path}, step plan", plan)
     _same_path([g[3] for g in gathered], "load")
-    differences = _agree_on_differences(job, gathered, strict)
-    reading = _Reading(job, comm, ckpt, verify, [g[2] for g in gathered] if dedup else None)
+    differences = _agree_on_differences(job, gathered, o.strict)
+    reading = _Reading(job, comm, ckpt, o.verify, [g[2] for g in gathered] if dedup else None)
     # Every rank learns whether every rank read sound bytes before anything is installed (and
     # a reader that failed never leaves its peers waiting for forwarded bytes).
     comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())

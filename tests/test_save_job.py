@@ -159,3 +159,25 @@ def test_a_sync_save_failing_after_its_commit_keeps_every_ranks_files(tmp_path):
     out = run_ranks(2, _fail_after_commit, str(tmp_path / "a"))
     for message, same in out:
         assert "committed, but rank 0 failed after the commit" in message and same
+
+
+# ---------------------------------------------------------------------- load options
+def test_load_options_are_one_object_checked_once_and_keywords_replace_its_fields(tmp_path, ckpt):
+    state = _state()
+    ckpt.save(str(tmp_path / "a"), state).wait()
+    options = omnickpt.LoadOptions(include=["model"])
+    target = _state(seed=1)
+    result = ckpt.load(str(tmp_path / "a"), target, options=options)
+    assert torch.equal(target["model"].weight, state["model"].weight) and result.report["kind"] == "load"
+    assert not torch.equal(target["optimizer"].state_dict()["state"][0]["exp_avg"],
+                           state["optimizer"].state_dict()["state"][0]["exp_avg"])   # include= was applied
+    target = _state(seed=1)
+    ckpt.load(str(tmp_path / "a"), target, options=options, include=())   # the keyword replaces the field
+    assert torch.equal(target["optimizer"].state_dict()["state"][0]["exp_avg"],
+                       state["optimizer"].state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(TypeError, match="no_such_option"):
+        ckpt.load(str(tmp_path / "a"), target, no_such_option=True)
+    with pytest.raises(TypeError, match="include= takes a list of glob patterns"):
+        omnickpt.LoadOptions(include="model")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.strict = False
