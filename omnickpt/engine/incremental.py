@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from omnickpt.errors import CheckpointError
-from omnickpt.format import Manifest, dtype_from_name
+from omnickpt.format import Manifest, TensorEntry, dtype_from_name
 from omnickpt.storage import Storage
 
 _log = logging.getLogger("omnickpt")
@@ -140,24 +140,32 @@ class Base:
         out = None
         if t is not None and hashes is not None and tuple(t.shape) == meta.shape and t.dtype == meta.dtype \
                 and meta.shape:
-            c = t.columns
-            if c is not None and c.codec is None:
-                item = dtype_from_name(t.dtype).itemsize
-                lens, offs = c.lengths.tolist(), c.offsets.tolist()
-                counts = [block_count(ln, item, self.block_bytes) for ln in lens]
-                if sum(counts) == len(hashes):
-                    first = np.concatenate(([0], np.cumsum(counts)))[:-1]
-                    groups: dict = {}
-                    for i, (o, ln) in enumerate(zip(offs, lens)):
-                        groups.setdefault((tuple(o[1:]), tuple(ln[1:])), []).append(i)
-                    out = {"hashes": np.asarray(hashes, dtype=np.uint64)}
-                    for key, rows in groups.items():
-                        rows.sort(key=lambda i: offs[i][0])
-                        r = np.array(rows, dtype=np.int64)
-                        start = np.array([offs[i][0] for i in rows], dtype=np.int64)
-                        out[key] = (start, start + np.array([lens[i][0] for i in rows], dtype=np.int64),
-                                    c.file[r].astype(np.int64), c.offset[r].astype(np.int64), first[r])
+            out = self._by_extent(t, hashes)
         self._boxes[meta.name] = out
+        return out
+
+    def _by_extent(self, t: TensorEntry, hashes) -> dict | None:
+        """_index of a tensor of the same shape and dtype; None where the base's blocks cannot be
+        compared (its boxes compressed, or its hashes not those of this block grid)."""
+        c = t.columns
+        if c is None or c.codec is not None:
+            return None
+        item = dtype_from_name(t.dtype).itemsize
+        lens, offs = c.lengths.tolist(), c.offsets.tolist()
+        counts = [block_count(ln, item, self.block_bytes) for ln in lens]
+        if sum(counts) != len(hashes):
+            return None
+        first = np.concatenate(([0], np.cumsum(counts)))[:-1]
+        groups: dict = {}
+        for i, (o, ln) in enumerate(zip(offs, lens)):
+            groups.setdefault((tuple(o[1:]), tuple(ln[1:])), []).append(i)
+        out = {"hashes": np.asarray(hashes, dtype=np.uint64)}
+        for key, rows in groups.items():
+            rows.sort(key=lambda i: offs[i][0])
+            r = np.array(rows, dtype=np.int64)
+            start = np.array([offs[i][0] for i in rows], dtype=np.int64)
+            out[key] = (start, start + np.array([lens[i][0] for i in rows], dtype=np.int64),
+                        c.file[r].astype(np.int64), c.offset[r].astype(np.int64), first[r])
         return out
 
     def unchanged(self, meta: WriteMeta, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

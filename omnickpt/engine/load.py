@@ -9,9 +9,10 @@ from typing import Sequence
 
 import torch
 
+from omnickpt.engine.objects import read_objects  # noqa: F401  (reader.py, loading.py import it from here)
 from omnickpt.engine.staging import StagingPool, checksums, copy_bytes, gc_paused, plain_bytes
 from omnickpt.errors import CorruptCheckpointError
-from omnickpt.format import Manifest, checksum, decode_object
+from omnickpt.format import Manifest
 from omnickpt.format.codec import decode_into
 from omnickpt.format.manifest import Sums, WindowBox
 from omnickpt.layout import Box, contiguous_start, relative, row_major_strides
@@ -182,15 +183,7 @@ def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items:
         ra, rb = sums.chunk(c)
         pieces.append((c, memoryview(stored)[a - lo:b - lo], out[ra - ext.start:rb - ext.start], a, b))
     if verify:
-        got = checksums([p[1] for p in pieces], executor)
-        for (c, _, _, a, b), crc in zip(pieces, got):
-            if crc != sums.crcs[c]:
-                ra, rb = sums.chunk(c)
-                within = [n for n in ext.needs if n.land_lo < rb and ra < n.land_hi]
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {storage.describe(path)} at bytes [{a}, {b}) (compressed chunk {c}) for "
-                    f"{_describe(items, within)} (stored {sums.crcs[c]:#010x}, read {crc:#010x}): the data file is "
-                    "corrupt; nothing was loaded from it. Restore the file or load an earlier checkpoint")
+        _verify_stored(storage, path, ext, pieces, items, executor)
 
     def unpack(piece) -> None:
         c, data, dst, a, b = piece
@@ -208,6 +201,21 @@ def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items:
         for f in [executor.submit(unpack, p) for p in pieces]:
             f.result()
     return hi - lo
+
+
+def _verify_stored(storage: Storage, path: str, ext: _Extent, pieces: list[tuple], items: Sequence[ReadItem],
+                   executor: Executor | None) -> None:
+    """Check the CRC of each stored chunk (c, bytes, _, a, b) of `ext` before it is decoded."""
+    sums = ext.sums
+    got = checksums([p[1] for p in pieces], executor)
+    for (c, _, _, a, b), crc in zip(pieces, got):
+        if crc != sums.crcs[c]:
+            ra, rb = sums.chunk(c)
+            within = [n for n in ext.needs if n.land_lo < rb and ra < n.land_hi]
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {storage.describe(path)} at bytes [{a}, {b}) (compressed chunk {c}) for "
+                f"{_describe(items, within)} (stored {sums.crcs[c]:#010x}, read {crc:#010x}): the data file is "
+                "corrupt; nothing was loaded from it. Restore the file or load an earlier checkpoint")
 
 
 def _read_direct(storage: Storage, manifest: Manifest, direct: list[tuple[int, _Need, torch.Tensor]],
@@ -443,34 +451,9 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     memory comes from `pool` when given (see `_buffers`)."""
     items = stored_grids(manifest, items)
     acquire, release = _buffers(pool)
-    strides_of: dict[tuple, tuple] = {}
     held: list[torch.Tensor] = []   # the batch buffer in use, at most one
-    needs: list[tuple[int, _Need]] = []
-    zeros: list[int] = []
-    direct: list[tuple[int, _Need, torch.Tensor]] = []
-    for i, it in enumerate(items):
-        if it.saved.file == ZERO_FILL:
-            zeros.append(i)
-            continue
-        need = _need(i, it, dests[it.dest].element_size(), verify, strides_of)
-        sums = it.saved.sums
-        packed = sums if sums is not None and sums.stored is not None else None
-        if (not verify or sums is None) and packed is None:
-            # Nothing to verify (a foreign format has no checksums): landing would buy nothing but
-            # a copy, so a contiguous region is read straight into its destination.
-            view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
-            if view.is_contiguous() and view.device.type == "cpu" and need.hi - need.lo == view.numel() * view.element_size():
-                direct.append((it.saved.file, need, view))
-                continue
-        needs.append((it.saved.file, need, packed))
-    batches: list[list[_Extent]] = [[]]
-    size = 0
-    for ext in _extents(needs):
-        if batches[-1] and size + ext.end - ext.start > budget:
-            batches.append([])
-            size = 0
-        batches[-1].append(ext)
-        size += ext.end - ext.start
+    needs, zeros, direct = _sort_needs(items, dest_boxes, dests, verify)
+    batches = _batches(_extents(needs), budget)
 
     def read(batch: list[_Extent]) -> None:
         with timer.phase("read"):
@@ -488,17 +471,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     places = _Dests(dest_boxes, dests)
 
     def put(ext: _Extent) -> None:
-        base = ext.buf.data_ptr() - ext.start
-        typed: dict[torch.dtype, torch.Tensor] = {}   # the landing buffer viewed as each dtype it holds
-        for n in ext.needs:
-            it = items[n.index]
-            at = places.address(it, n.hi - n.lo)
-            if at is not None:
-                copy_bytes(at, base + n.lo, n.hi - n.lo)
-                continue
-            view = places.view(it)
-            view.copy_(_source(ext, n, it, view.dtype, typed))
-        ext.buf = None
+        _put(ext, items, places)
 
     def install(batch: list[_Extent], zero: Sequence[int]) -> None:
         with timer.phase("install"):
@@ -540,6 +513,60 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
         return [v if v.is_contiguous() else v.contiguous() for v in views]
 
     return Landing(finish, give_back)
+
+
+def _sort_needs(items: Sequence[ReadItem], dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor], verify: bool
+                ) -> tuple[list[tuple], list[int], list[tuple[int, _Need, torch.Tensor]]]:
+    """(what to land as (file, need, packed sums), the items to zero-fill, the regions to read
+    straight into their destinations as (file, need, destination view))."""
+    strides_of: dict[tuple, tuple] = {}
+    needs: list[tuple] = []
+    zeros: list[int] = []
+    direct: list[tuple[int, _Need, torch.Tensor]] = []
+    for i, it in enumerate(items):
+        if it.saved.file == ZERO_FILL:
+            zeros.append(i)
+            continue
+        need = _need(i, it, dests[it.dest].element_size(), verify, strides_of)
+        sums = it.saved.sums
+        packed = sums if sums is not None and sums.stored is not None else None
+        if (not verify or sums is None) and packed is None:
+            # Nothing to verify (a foreign format has no checksums): landing would buy nothing but
+            # a copy, so a contiguous region is read straight into its destination.
+            view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])
+            if view.is_contiguous() and view.device.type == "cpu" and need.hi - need.lo == view.numel() * view.element_size():
+                direct.append((it.saved.file, need, view))
+                continue
+        needs.append((it.saved.file, need, packed))
+    return needs, zeros, direct
+
+
+def _batches(extents, budget: int) -> list[list[_Extent]]:
+    """Extents in batches of at most `budget` bytes (an extent larger than it: a batch of its own)."""
+    batches: list[list[_Extent]] = [[]]
+    size = 0
+    for ext in extents:
+        if batches[-1] and size + ext.end - ext.start > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(ext)
+        size += ext.end - ext.start
+    return batches
+
+
+def _put(ext: _Extent, items: Sequence[ReadItem], places: _Dests) -> None:
+    """Install one verified extent into its destinations, then drop its landing view."""
+    base = ext.buf.data_ptr() - ext.start
+    typed: dict[torch.dtype, torch.Tensor] = {}   # the landing buffer viewed as each dtype it holds
+    for n in ext.needs:
+        it = items[n.index]
+        at = places.address(it, n.hi - n.lo)
+        if at is not None:
+            copy_bytes(at, base + n.lo, n.hi - n.lo)
+            continue
+        view = places.view(it)
+        view.copy_(_source(ext, n, it, view.dtype, typed))
+    ext.buf = None
 
 
 def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
@@ -584,42 +611,6 @@ def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor
                 view.copy_(compact)
 
 
-def read_objects(storage: Storage, manifest: Manifest, keys: Sequence[str], rank: int, *, allow_pickle: bool,
-                 timer: PhaseTimer, all_ranks: Sequence[str] = ()) -> dict:
-    """Decode objects: for each key in `keys` the value saved by this rank (or the lowest rank's);
-    for each key in `all_ranks` a dict {saving rank: value} with every rank's value (for state that
-    is redistributed across ranks on load, like dataloader positions)."""
-    out: dict = {}
-    with timer.phase("objects"):
-        for key in keys:
-            if key in manifest.objects:
-                out[key] = _read_object(storage, manifest, key, manifest.object_for_rank(key, rank), allow_pickle, timer)
-        for key in all_ranks:
-            if key in manifest.objects:
-                by_rank = {}
-                for e in manifest.objects[key]:
-                    value = _read_object(storage, manifest, key, e, allow_pickle, timer)
-                    by_rank.update({r: value for r in e.ranks})
-                out[key] = dict(sorted(by_rank.items()))
-    return out
-
-
-def _read_object(storage, manifest, key, e, allow_pickle, timer):
-    if e.inline is not None:   # decoded from a foreign format when its manifest was read
-        return decode_object(e.inline, allow_pickle=allow_pickle, where=key)
-    buf = bytearray(e.nbytes)
-    path = manifest.files[e.file].path
-    try:
-        storage.read_into(path, e.offset, [memoryview(buf)])
-    except CorruptCheckpointError as err:
-        raise CorruptCheckpointError(f"{err} (reading object {key!r})") from None
-    if checksum(buf) != e.checksum:
-        raise CorruptCheckpointError(
-            f"checksum mismatch in {storage.describe(path)} for object {key!r}: the data file is corrupt")
-    timer.count("read", e.nbytes)
-    return decode_object(bytes(buf), allow_pickle=allow_pickle, where=key)
-
-
 def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], object_ranges) -> None:
     """Fail before anything is read (and so before any parameter is overwritten) when a data file
     is missing or shorter than the bytes this rank needs; the error names what lies past the end.
@@ -629,10 +620,9 @@ def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadI
     items = stored_grids(manifest, items)
     ends: dict[int, int] = {}   # file -> the end of the last byte needed there
     for it in items:
-        sb = it.saved
-        end = sb.sums.file_end if sb.sums is not None and sb.sums.stored is not None else sb.offset + sb.nbytes
-        if sb.file >= 0 and ends.get(sb.file, -1) < end:
-            ends[sb.file] = end
+        end = _stored_end(it.saved)
+        if it.saved.file >= 0 and ends.get(it.saved.file, -1) < end:
+            ends[it.saved.file] = end
     objects = [(key, e) for key, e in object_ranges if e.inline is None]
     for _, e in objects:
         ends[e.file] = max(ends.get(e.file, -1), e.offset + e.nbytes)
@@ -640,8 +630,17 @@ def check_file_sizes(storage: Storage, manifest: Manifest, items: Sequence[ReadI
         path = manifest.files[fi].path
         size = storage.size(path)
         if size < end:   # name what lies past the end (built only for a short file)
-            what = [(it.saved.sums.file_end if it.saved.sums is not None and it.saved.sums.stored is not None
-                      else it.saved.offset + it.saved.nbytes, f"tensor {it.name!r} box offsets={list(it.saved.offsets)} "
-                     f"lengths={list(it.saved.lengths)}") for it in items if it.saved.file == fi]
-            what += [(e.offset + e.nbytes, f"object {key!r}") for key, e in objects if e.file == fi]
-            require_length(storage, path, size, what, "manifest")
+            require_length(storage, path, size, _contents(items, objects, fi), "manifest")
+
+
+def _stored_end(sb) -> int:
+    """The file offset just past a saved box's stored bytes (its stored chunks when compressed)."""
+    return sb.sums.file_end if sb.sums is not None and sb.sums.stored is not None else sb.offset + sb.nbytes
+
+
+def _contents(items: Sequence[ReadItem], objects: list, fi: int) -> list[tuple[int, str]]:
+    """(end, what) of every box and object this rank reads from file `fi`."""
+    what = [(_stored_end(it.saved), f"tensor {it.name!r} box offsets={list(it.saved.offsets)} "
+             f"lengths={list(it.saved.lengths)}") for it in items if it.saved.file == fi]
+    what += [(e.offset + e.nbytes, f"object {key!r}") for key, e in objects if e.file == fi]
+    return what

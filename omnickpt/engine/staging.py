@@ -128,27 +128,9 @@ class StagingPool:
         if self.largest is not None and nbytes > self.largest:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         with self._cond:
-            while True:
-                while not self._free:
-                    self._cond.wait()
-                # Prefer a slot already big enough: its pages are faulted in, so the copy runs at memcpy speed.
-                fits = [i for i, b in enumerate(self._free) if b is not None and b.numel() >= nbytes
-                        and b.is_pinned() == pin]
-                if fits:
-                    buf = self._free.pop(fits[0])
-                    self._out.add(buf.data_ptr())
-                    return buf
-                # A new buffer: drop the idle ones first (their memory goes back before the new is taken).
-                for i, b in enumerate(self._free):
-                    if b is not None:
-                        self._held -= _footprint(b)
-                        self._free[i] = None
-                if self.budget is None or self._held + nbytes + _PAGE <= self.budget:
-                    self._free.pop()
-                    self._held += nbytes + _PAGE
-                    self.peak = max(self.peak, self._held)
-                    break
-                self._cond.wait()
+            buf = self._reuse_or_reserve(nbytes, pin)
+            if buf is not None:
+                return buf
         # Not zero-filled: the first snapshot's copy faults the pages in (one pass over the
         # memory instead of two), and every later save reuses them at memcpy speed.
         try:
@@ -159,6 +141,31 @@ class StagingPool:
         with self._cond:
             self._out.add(buf.data_ptr())
         return buf
+
+    def _reuse_or_reserve(self, nbytes: int, pin: bool) -> torch.Tensor | None:
+        """Holding the lock: an idle buffer big enough (handed out), or None once a slot and the
+        budget's room for a new buffer of `nbytes` are reserved; waits while neither is possible."""
+        while True:
+            while not self._free:
+                self._cond.wait()
+            # Prefer a slot already big enough: its pages are faulted in, so the copy runs at memcpy speed.
+            fits = [i for i, b in enumerate(self._free) if b is not None and b.numel() >= nbytes
+                    and b.is_pinned() == pin]
+            if fits:
+                buf = self._free.pop(fits[0])
+                self._out.add(buf.data_ptr())
+                return buf
+            # A new buffer: drop the idle ones first (their memory goes back before the new is taken).
+            for i, b in enumerate(self._free):
+                if b is not None:
+                    self._held -= _footprint(b)
+                    self._free[i] = None
+            if self.budget is None or self._held + nbytes + _PAGE <= self.budget:
+                self._free.pop()
+                self._held += nbytes + _PAGE
+                self.peak = max(self.peak, self._held)
+                return None
+            self._cond.wait()
 
     def release(self, buf: torch.Tensor, *, keep: bool = True) -> None:
         """Give `buf` back; keep=False frees its memory now instead of keeping it for the next save.
