@@ -284,7 +284,7 @@ def _grid_size(sums: list[Sums], boxes: list[SavedBox]) -> int | None:
 @dataclass(frozen=True)
 class ColumnTable:
     """The boxes of many tensors in shared columns, rows grouped by tensor: offsets and lengths are
-    padded to the widest tensor. A save builds its manifest from one (engine/save.py) and hands each
+    padded to the widest tensor. A save builds its manifest from one (engine/manifest.py) and hands each
     tensor rows [a, b) as a TensorEntry that slices its columns on first use."""
     offsets: np.ndarray      # [N, D]
     lengths: np.ndarray      # [N, D]
