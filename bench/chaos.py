@@ -41,7 +41,8 @@ def worker(rank: int, world: int, port: int, root: str, job: str, log: str) -> N
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
     state = {"model": model, "extra": {"step": 0}}
     ckpt = omnickpt.Checkpointer(timeout=20)
-    manager = omnickpt.CheckpointManager(root, memory=f"shm://{job}", persist_every=2, keep_last=2, checkpointer=ckpt)
+    manager = omnickpt.TieredCheckpointManager(root, memory=f"shm://{job}", persist_every=2, keep_last=2,
+                                               checkpointer=ckpt)
     start, tier = 0, "none"
     if manager.latest_step() is not None:
         manager.load_latest(state)

@@ -4,7 +4,7 @@ from shared memory against a load from disk (warm page cache and cold).
     .venv/bin/python bench/memory_tier.py [--mb 805] [--reps 5] [--steps 6] [--out result.json]
 
 One process, a model of --mb megabytes (fp32 Linear(4096, 4096) layers). The trainer process saves
-steps to CheckpointManager(root, memory="shm://JOB", persist_every=1) with async saves, waits for
+steps to TieredCheckpointManager(root, memory="shm://JOB", persist_every=1) with async saves, waits for
 each step's memory commit and durable copy outside the timed call (steady state: training is
 slower than persisting), is then killed with SIGKILL; each restore runs in a fresh process.
 """
@@ -40,7 +40,7 @@ def trainer(root: str, job: str, mb: int, steps: int) -> None:
     import torch
     import omnickpt
     model = build(mb)
-    mgr = omnickpt.CheckpointManager(root, memory=f"shm://{job}", persist_every=1, keep_last=2)
+    mgr = omnickpt.TieredCheckpointManager(root, memory=f"shm://{job}", persist_every=1, keep_last=2)
     disk = omnickpt.CheckpointManager(root + "-plain", keep_last=1)
     out = {"memory_stall": [], "memory_commit": [], "durable_copy": [], "disk_async_stall": [], "disk_sync": []}
     for step in range(1, steps + 1):
@@ -89,7 +89,8 @@ def restore(root: str, job: str, mb: int, how: str) -> None:
                 os.close(fd)
     t0 = time.perf_counter()
     if how == "memory":
-        mgr = omnickpt.CheckpointManager(root, memory=f"shm://{job}", persist_on_failure=False, on_close="keep_latest")
+        mgr = omnickpt.TieredCheckpointManager(root, memory=f"shm://{job}", persist_on_failure=False,
+                                               on_close="keep_latest")
         res = mgr.load_latest(state)
     else:
         res = omnickpt.CheckpointManager(root).load_latest(state)

@@ -21,8 +21,8 @@ from omnickpt.errors import (  # noqa: E402
     CheckpointError, CheckpointLockedError, CheckpointTimeoutError, CorruptCheckpointError, MismatchError,
     NotCommittedError, PlanError,
     StorageError, UnsafeCheckpointError, UnsupportedError)
-from omnickpt.manager import CheckpointManager  # noqa: E402
-from omnickpt.tiered import MemoryTierOptions, TieredCheckpointManager  # noqa: E402
+from omnickpt.manager import CheckpointManager, ManagerOptions  # noqa: E402
+from omnickpt.memory.manager import MemoryTierOptions, TieredCheckpointManager  # noqa: E402
 from omnickpt.reader import CheckpointReader, read_report  # noqa: E402
 # `omnickpt.open(path)` is the reader class itself, as safetensors.safe_open is: one concept, called `open`,
 # typed `CheckpointReader`. Left out of __all__ so that `import *` never shadows the builtin open.
@@ -35,8 +35,8 @@ from omnickpt.integrity import verify  # noqa: E402
 
 __all__ = [
     # saving and loading in a training job
-    "Checkpointer", "CheckpointManager", "LoadOptions", "LoadResult", "MemoryTierOptions", "SaveHandle",
-    "SaveHandleProtocol", "SaveOptions", "ShardSpec",
+    "Checkpointer", "CheckpointManager", "LoadOptions", "LoadResult", "ManagerOptions", "MemoryTierOptions",
+    "SaveHandle", "SaveHandleProtocol", "SaveOptions", "ShardSpec",
     "TieredCheckpointManager", "clear_memory", "is_committed", "load", "memory_usage", "read_manifest", "save",
     # state that is not a module or an optimizer
     "DataParallelStateful", "PackedTokenLoader", "RNGState", "ReshardableSampler",

@@ -15,8 +15,9 @@ would start before the previous one is durable and a step has run with none in f
 capped by max_interval.
 
 `choose_interval` is the pure rule; `Cadence` keeps the measurements (medians of the recent ones,
-so one slow step or save does not swing the interval) and answers `due(step)`. Nothing here
-touches storage or processes: the manager feeds it and asks it.
+so one slow step or save does not swing the interval) and answers `due(step)`; neither touches
+storage or processes. `CadencePolicy` is the manager's save decision built on them: it times the
+manager's saves, asks `Cadence`, and makes the ranks decide alike (through the manager's comm).
 
 A save that fails (on_error="warn" lets training go on) still counts as the cadence's attempt: the
 next one is due an interval after it, not at the next step. Failures in a row space the attempts
@@ -26,8 +27,10 @@ first save that succeeds restores the interval.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,6 +62,16 @@ def choose_interval(step_s: float, stall_s: float, background_s: float, interfer
     return max(min_interval, min(max_interval, max(k_cost, k_flight, 1)))
 
 
+def check_cadence(every: int | str, max_overhead: float, max_interval: int) -> None:
+    """ValueError naming the first of Cadence's arguments that is not valid."""
+    if isinstance(every, bool) or not (isinstance(every, int) and every >= 1 or every in MODES):
+        raise ValueError(f"every={every!r}: must be a positive int, 'auto' or 'continuous'")
+    if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
+        raise ValueError(f"max_overhead={max_overhead!r}: must be a fraction between 0 and 1 (0.02 is 2%)")
+    if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 1:
+        raise ValueError(f"max_interval={max_interval!r}: must be a positive int")
+
+
 @dataclass
 class CadenceReport:
     mode: str
@@ -83,12 +96,7 @@ class Cadence:
     `due(step, in_flight)` to decide."""
 
     def __init__(self, every: int | str, *, max_overhead: float = 0.02, max_interval: int = 10_000):
-        if isinstance(every, bool) or not (isinstance(every, int) and every >= 1 or every in MODES):
-            raise ValueError(f"every={every!r}: must be a positive int, 'auto' or 'continuous'")
-        if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
-            raise ValueError(f"max_overhead={max_overhead!r}: must be a fraction between 0 and 1 (0.02 is 2%)")
-        if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 1:
-            raise ValueError(f"max_interval={max_interval!r}: must be a positive int")
+        check_cadence(every, max_overhead, max_interval)
         self.every, self.max_overhead, self.max_interval = every, float(max_overhead), max_interval
         self._last_call: tuple[int, float] | None = None
         self._steps: dict[bool, deque[float]] = {False: deque(maxlen=_WINDOW), True: deque(maxlen=_WINDOW)}
@@ -202,3 +210,94 @@ class Cadence:
                              steps_in_flight=(statistics.median(self._in_flight_steps) if self._in_flight_steps
                                               else None),
                              failures_in_a_row=self.failures)
+
+
+class CadencePolicy:
+    """A manager's save decision with every=: which save() calls save, measured on the job itself.
+    The manager asks `due(step, in_flight)` at every call (every rank decides alike), tells it when
+    a save starts (`started`), fails (`failed`) or is known committed (`succeeded`), and lets it
+    wait for the previous save before the next (`before_save`). It keeps the timing of the save in
+    flight, and agrees across ranks through `comm` (the manager's process group): "continuous"
+    with one small all-gather per call, "auto" with one broadcast of the coordinator's interval per
+    save. Its figures: report()."""
+
+    def __init__(self, cadence: Cadence, comm):
+        self.cadence = cadence
+        self.comm = comm
+        self._busy = False                        # a save of ours was in flight at the previous call
+        self._started: tuple[float, float] | None = None   # (start, stall) of the save in flight
+        self._flight_calls = 0                    # save() calls while it was in flight
+
+    @property
+    def every(self) -> int | str:
+        return self.cadence.every
+
+    def due(self, step: int, in_flight: bool, now: float | None = None) -> bool:
+        """Every rank, at each save() call: measure, then decide alike on every rank. `in_flight`:
+        a save of ours is still on its way to being durable (this rank's view)."""
+        cadence = self.cadence
+        now = time.monotonic() if now is None else now
+        cadence.observe_call(step, now, self._busy)
+        if self._busy and self._started is not None:
+            # the step that just ended ran with the save in flight (counted even when the save became
+            # durable during it: a save durable within one step still slowed that step)
+            self._flight_calls += 1
+        self._busy = in_flight
+        if not in_flight and self._started is not None:   # the save in flight became durable since the last call
+            self._observe_durable(now)
+        if cadence.every == "continuous":
+            # each rank sees the previous save become durable at its own moment
+            if self.comm.world_size > 1:
+                in_flight = any(self.comm.all_gather_object(in_flight, step="cadence"))
+            return not in_flight
+        return cadence.due(step, in_flight)
+
+    def before_save(self, wait) -> None:
+        """Every rank, before a save that is due: when the previous one is still in flight, wait
+        for it here (`wait()`: the manager's, None when it failed), so that its time until durable
+        is measured and the next one's stall is its own."""
+        if self._started is not None:
+            if wait() is not None:
+                self.cadence.succeeded()
+            self._observe_durable(time.monotonic())
+
+    def started(self, step: int, t0: float, async_save: bool) -> None:
+        """Every rank, after a save started at monotonic time `t0`: its stall, and (auto) the
+        interval until the next one, the coordinator's measurement handed to every rank (one
+        broadcast per save)."""
+        cadence, stall = self.cadence, time.monotonic() - t0
+        if not async_save:
+            cadence.succeeded()
+        cadence.saved(step)
+        if async_save:
+            self._started, self._flight_calls = (t0, stall), 0
+            self._busy = True    # the next step runs with this save in flight (and may wait at its fence)
+        else:
+            cadence.observe_save(stall, 0.0, 0)
+        if cadence.every == "auto":
+            mine = (cadence.interval(), cadence.basis())
+            cadence.adopt(*(self.comm.broadcast_object(mine, step="cadence") if self.comm.world_size > 1
+                            else mine))
+
+    def failed(self, step: int | None) -> None:
+        self.cadence.failed(step)
+
+    def succeeded(self) -> None:
+        self.cadence.succeeded()
+
+    def report(self) -> dict:
+        """The mode, the interval in force, and what it was chosen from (seconds per step, stall,
+        background time, interference per save) with the overhead they give."""
+        return dataclasses.asdict(self.cadence.report())
+
+    def _observe_durable(self, now: float) -> None:
+        start, stall = self._started
+        self.cadence.observe_save(stall, now - start, self._flight_calls)
+        self._started = None
+
+
+def cadence_of(every: int | str | None, max_overhead: float, max_interval: int, comm) -> CadencePolicy | None:
+    """The save decision of a manager built with every= (None without)."""
+    if every is None:
+        return None
+    return CadencePolicy(Cadence(every, max_overhead=max_overhead, max_interval=max_interval), comm)

@@ -1,5 +1,6 @@
 """The one commit protocol through storage, used by every save that commits without a collective:
-the Checkpointer's async saves (api.py) and the memory tier's durable copies (tiers.py, tiered.py).
+the Checkpointer's async saves (saving.py) and the memory tier's durable copies (memory/durable.py,
+memory/manager.py); run_round is the choreography both run.
 
 Why through storage: a background thread that ran a collective on the training process group could
 interleave with the training loop's own collectives (docs/design.md, "Async commit through storage").

@@ -2,7 +2,7 @@
 ranks that still hold a complete replica of the state save the newest step before the job ends, so
 at most the step in progress is lost.
 
-How it goes (`CheckpointManager.guard(state)`, every rank):
+How it goes (`CheckpointManager.guard(state)`, every rank, through the manager's FailureGuard below):
 1. An exception leaves the guarded block. A rank whose exception came from a collective that a peer
    broke (gloo's "Connection closed by peer", NCCL's aborted communicator, omnickpt's own
    CheckpointTimeoutError naming a rank that did not answer) is a *survivor*; any other exception
@@ -30,28 +30,24 @@ the stop loses no step). Not a failure, nothing saved: SystemExit with code 0 or
 exit) and GeneratorExit (a training loop written as a generator that its consumer closed).
 
 Markers live in the checkpoint root (`.omnickpt/failure/<run>/rNNNNN.json`), because storage is the
-one channel left when the process group is broken. `pick_savers` is the pure decision.
+one channel left when the process group is broken. `pick_savers` is the pure decision. The exact
+state of step N (StepCapture) lives in omnickpt/capture.py.
 """
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
-import pickle
-import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 
-from omnickpt.adapters import MIN_TENSOR_BYTES, adapter_for, collect_save
-from omnickpt.adapters.base import is_dtensor
-from omnickpt.adapters.generic import is_stateful
-from omnickpt.adapters.module import unwrap
+from omnickpt.capture import BUFFER_BYTES, StepCapture, non_finite  # noqa: F401  (their home was this module)
+from omnickpt.comm import SOLO, Comm
+from omnickpt.commit import poll
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError
-from omnickpt.fence import StepWatch, optimizers_in, step_stable_tensors
 from omnickpt.storage import Storage
 
 log = logging.getLogger("omnickpt")
@@ -113,15 +109,10 @@ def replicas_of(state: dict, world_size: int) -> Replicas:
     """From the state's tensors: DTensors on a mesh with Replicate on some dimensions and Shard on
     others give the shard groups (HSDP); any sharded tensor without a replicated dimension (FSDP,
     TP over the whole job) gives none; no DTensor at all (plain, DDP) gives every rank alone."""
-    from torch import nn
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
     meshes: dict[int, tuple[Any, tuple]] = {}
-    for value in state.values():
-        modules = [value] if isinstance(value, nn.Module) else []
-        for module in modules:
-            for p in module.parameters():
-                if isinstance(p, DTensor):
-                    meshes.setdefault(id(p.device_mesh), (p.device_mesh, tuple(p.placements)))
+    for p in _dtensors(state):
+        meshes.setdefault(id(p.device_mesh), (p.device_mesh, tuple(p.placements)))
     if not meshes:
         return Replicas(tuple((r,) for r in range(world_size)))
     groups: set[tuple[int, ...]] | None = None
@@ -129,16 +120,21 @@ def replicas_of(state: dict, world_size: int) -> Replicas:
         rep_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
         if not rep_dims or mesh.mesh.numel() != world_size:
             return Replicas(())
-        ranks = mesh.mesh
-        # a shard group: the ranks that share one coordinate along every replicated dimension
-        mine: set[tuple[int, ...]] = set()
-        for index in _coordinates([ranks.shape[d] for d in rep_dims]):
-            sub = ranks
-            for d, i in sorted(zip(rep_dims, index), reverse=True):
-                sub = sub.select(d, i)
-            mine.add(tuple(sorted(int(r) for r in sub.reshape(-1).tolist())))
+        mine = _shard_groups(mesh.mesh, rep_dims)
         groups = mine if groups is None else groups & mine
     return Replicas(tuple(sorted(groups or ())))
+
+
+def _shard_groups(ranks, rep_dims: list[int]) -> set[tuple[int, ...]]:
+    """The shard groups of a mesh (a tensor of ranks): the ranks that share one coordinate along
+    every replicated dimension."""
+    mine: set[tuple[int, ...]] = set()
+    for index in _coordinates([ranks.shape[d] for d in rep_dims]):
+        sub = ranks
+        for d, i in sorted(zip(rep_dims, index), reverse=True):
+            sub = sub.select(d, i)
+        mine.add(tuple(sorted(int(r) for r in sub.reshape(-1).tolist())))
+    return mine
 
 
 def _coordinates(shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -158,9 +154,10 @@ def post_marker(storage: Storage, run: str, rank: int, doc: dict) -> None:
 def await_markers(storage: Storage, run: str, world_size: int, grace: float,
                   stop: Callable[[dict[int, dict]], bool] | None = None) -> dict[int, dict]:
     """Every rank's marker that arrives within `grace` seconds (a dead rank writes none), or the
-    markers found once `stop(found)` is true."""
-    deadline, delay, found = time.monotonic() + grace, 0.005, {}
-    while True:
+    markers found once `stop(found)` is true (polled through omnickpt.commit.poll)."""
+    found: dict[int, dict] = {}
+
+    def probe() -> dict[int, dict] | None:
         for rel in storage.list(f"{MARKERS}/{run}"):
             name = rel.rsplit("/", 1)[-1]
             if name.startswith("r") and name.endswith(".json") and name[1:-5].isdigit():
@@ -170,371 +167,193 @@ def await_markers(storage: Storage, run: str, world_size: int, grace: float,
                         found[rank] = json.loads(storage.read_bytes(rel))
                     except (FileNotFoundError, ValueError):
                         continue
-        if len(found) >= world_size or time.monotonic() > deadline or (stop is not None and stop(found)):
-            return found
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        return found if len(found) >= world_size or (stop is not None and stop(found)) else None
+
+    try:
+        return poll(probe, grace, _GraceOver)
+    except _GraceOver:   # the ranks without a marker by then are taken as dead
+        return found
 
 
-# ---------------------------------------------------------------------- the exact state of step N
-# Module buffers are copied at every capture up to this many bytes per rank. A state with more is
-# refused at failure: a forward may have moved them, and nothing tells (BatchNorm's kernel updates
-# its running statistics without moving their version counters).
-BUFFER_BYTES = 64 << 20
-_MISSING = object()
-# save() options the failure save keeps (it is a full, synchronous save over the savers' group).
-_FAILURE_SAVE_DROPS = frozenset({"async_save", "snapshot", "incremental", "base", "full_every", "block_bytes",
-                                 "process_group", "on_commit", "check_replicas"})
+class _GraceOver(Exception):
+    """await_markers' grace period ran out (caught there: not an error)."""
 
 
-class StepCapture:
-    """What guard() needs to save step N, the last step given to save(), exactly: taken at every
-    save() call that did not save (`take`, on the training thread, between two steps), each
-    replacing the previous one.
+# ---------------------------------------------------------------------- the guard
+class FailureGuard:
+    """Checkpoint at failure for one manager: `with guard.guarding(state):` around the training
+    loop (the manager's guard() returns it). It keeps what guard() needs between save() calls: the
+    last step given to save() (`last_step`, set by the manager), the capture of its state
+    (`capture`, taken by `capture_unsaved` at a call that did not save, inside a guarded block
+    only), and after a failure what it did (`failure_save`).
 
-    At failure the parameters and optimizer state saved are the live tensors: they are step N's
-    only if no optimizer step began since save(N) (a StepWatch counts them) and no version counter
-    of theirs moved (an in-place edit outside the optimizer; writes through `.data` move none, the
-    limit the lazy snapshot's contract already states). What a step or a forward changes besides
-    is taken from the capture:
-    - the entries the adapters encode as objects (dataloaders and samplers, LR schedulers, RNG
-      state, user values): frozen (pickled; small tensors inside copied, tensors the generic
-      adapter saves as tensors of their own and DTensors kept by reference with their version
-      counters), saved at failure in the entry's place;
-    - module buffers (BatchNorm statistics: a forward moves them): copied, up to BUFFER_BYTES;
-    - the hyperparameters of every optimizer's param groups (a schedule written at the top of the
-      next step): frozen, put back in the groups while the failure save runs.
-    Not captured (saved as they are at failure): a module's extra state (get_extra_state), tensors a
-    module's state-dict hooks make, a Megatron optimizer wrapper's own objects.
+    What it asks of the manager, as callables (weakly held: the guard never keeps its manager
+    alive): `outcome(step)`, this rank's failure_save when step N is not to be saved at failure
+    (read-only, closed, saved by save() itself, already committed) or None; `save(step, state,
+    group, kwargs)`, a synchronous save of step N into root over `group` that updates `latest`,
+    returning its path; `latest()`, the newest committed step (for messages). `storage` is the
+    checkpoint root (the markers live there), `comm` the manager's process group, `run` the name
+    every rank agreed on for this run (set by the manager once agreed)."""
 
-    `state_to_save(step)` is the state to save, or why there is none: the state of another step,
-    or a floating tensor holding NaN or Inf (a checkpoint to resume from must not)."""
+    def __init__(self, storage: Storage, comm: Any, group: Any, *, outcome: Callable[[int], dict | None],
+                 save: Callable[[int, dict, Any, dict], str], latest: Callable[[], int | None]):
+        self.storage, self.comm, self.group = storage, comm, group
+        self._outcome, self._save, self._latest = _weak(outcome), _weak(save), _weak(latest)
+        self.run = ""
+        self.last_step: int | None = None   # the newest step given to save(): the one to save at failure
+        self.capture = StepCapture()        # its state, when that call did not save
+        self.failure_save: dict | None = None
+        self._depth = 0                     # guarded blocks open: save() captures only inside one
 
-    def __init__(self):
-        self.step: int | None = None
-        self.kwargs: dict = {}
-        self.watch = StepWatch()
-        self._state: dict = {}
-        self._problem: str | None = None
-        self._mark = (0, 0)
-        self._shape: tuple | None = None        # the state's structure the cached lists below belong to
-        self._stable: dict[str, torch.Tensor] = {}
-        self._versions: list[int] = []
-        self._buffers: list[tuple[Any, str, str]] = []   # (owner module, attribute, name)
-        self._slots: list[tuple[dict, str]] = []          # (owner._buffers, attribute): fetched at each capture
-        self._copies: list[torch.Tensor] | None = None   # None: over BUFFER_BYTES, not copied
-        self._entries: dict[str, tuple[str, bytes, list]] = {}   # key -> (kind, pickled value, its tensors)
-        self._groups: list[tuple[Any, bytes, list]] = []           # (optimizer, pickled hyperparameters, tensors)
-        self._warned = False
+    def capture_unsaved(self, step: int, state: dict, kwargs: dict) -> None:
+        """A save() call that did not save: inside guarding(), the state is captured as step `step`
+        (a fraction of a millisecond for a model with a dataloader and RNG state, mostly their own
+        state_dict() calls); outside, nothing is, and a loop without guard() pays nothing."""
+        if self._depth:
+            self.capture.take(step, state, kwargs)
 
-    # ------------------------------------------------------------------ at save() calls
-    def take(self, step: int, state: dict, kwargs: dict) -> None:
-        """Capture `state` as step `step`. Never raises: a capture that failed is kept as the reason
-        the failure save will give (and logged once)."""
-        self.step, self._state, self._problem = step, state, None
-        self.kwargs = {k: v for k, v in kwargs.items() if k not in _FAILURE_SAVE_DROPS}
-        try:
-            self._take(state)
-        except Exception as e:
-            self._problem = f"capturing the state at save({step}) failed: {type(e).__name__}: {e}"
-            if not self._warned:
-                self._warned = True
-                log.warning("omnickpt: %s; a failure inside guard() will save nothing until a capture succeeds",
-                            self._problem)
-
-    def _take(self, state: dict) -> None:
-        opts = optimizers_in(state)
-        self.watch.watch(opts)
-        self._mark = self.watch.mark()
-        shape = (tuple((k, id(v)) for k, v in state.items()), tuple(len(o.state) for o in opts))
-        if shape != self._shape:   # the lists below are rebuilt only when the state's structure changed
-            self._stable = step_stable_tensors(state)
-            self._list_buffers()
-            self._shape = shape
-        self._versions = _versions(self._stable.values())
-        self._copy_buffers()
-        self._groups = [(o, *_freeze([{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]))
-                        for o in opts]
-        self._entries = {}
-        held = {id(o) for o in opts}
-        for key, value in state.items():
-            # modules and optimizers are the live tensors above (asking the adapters about them costs
-            # a walk of the module per call)
-            if isinstance(value, nn.Module) or id(value) in held or id(getattr(value, "optimizer", None)) in held:
-                continue
-            adapter = adapter_for(key, value, state)
-            kind = getattr(adapter, "name", None)
-            if kind == "dataloader":
-                # the adapter's own object: the loader's (and its sampler's) position at this call
-                self._entries[key] = (kind, *_freeze(adapter.save_items(key, value, state).objects[key]))
-            elif kind == "generic" and not is_dtensor(value):   # a DTensor entry is checked by its version
-                self._entries[key] = (kind, *_freeze(value.state_dict() if is_stateful(value) else value))
-
-    def _list_buffers(self) -> None:
-        self._buffers = _buffers_of(self._state)
-        self._slots = [(owner._buffers, attr) for owner, attr, _ in self._buffers]
-        self._copies = None
-
-    def _copy_buffers(self) -> None:
-        """The buffers' values now into the capture's copies (one foreach copy; allocated again only
-        when a buffer changed shape, dtype or presence)."""
-        live = [slot[attr] for slot, attr in self._slots]
-        if self._copies is not None and live:
-            try:
-                with torch.no_grad():
-                    torch._foreach_copy_(self._copies, live)
-                return
-            except (RuntimeError, TypeError):   # a buffer replaced by one of another shape, or by None
-                self._list_buffers()
-                live = [slot[attr] for slot, attr in self._slots]
-        if sum(b.nbytes for b in live) > BUFFER_BYTES:
-            self._copies = None
-            return
-        with torch.no_grad():
-            self._copies = [b.detach().clone() for b in live]
-
-    # ------------------------------------------------------------------ at failure
     @contextlib.contextmanager
-    def state_to_save(self, step: int):
-        """Yields (state, None): the state to save as step `step`, the capture's parts in place
-        (module buffers and param-group hyperparameters are swapped into the live objects while the
-        block runs, and put back after it); or (None, why not). Never raises before the yield:
-        the savers of a replica group exchange the outcome next, and a rank that raised instead
-        would leave them waiting."""
-        swaps: list[tuple[dict, Any, Any]] = []
+    def guarding(self, state: dict, grace: float, owner: Any = None):
+        """The guard() block (CheckpointManager.guard states the contract): yields `owner`. When an
+        exception leaves it, every rank records in `failure_save` what it did, and re-raises."""
+        self._depth += 1
         try:
+            yield owner
+        except BaseException as e:
+            trigger = f"{type(e).__name__}: {e}"[:500]
+            if exit_kind(e) == "clean":
+                self.failure_save = {"saved": False, "trigger": trigger, "reason": "a clean exit, not a failure"}
+                raise
             try:
-                state, problem = self._prepare(step, swaps)
-            except Exception as e:
-                state, problem = None, f"preparing the state of step {step} failed: {type(e).__name__}: {e}"
-            yield (None, problem) if problem else (state, None)
+                self.failure_save = self._save_at_failure(state, e, grace)
+            except Exception as inner:   # the job's own failure is the one to raise
+                self.failure_save = {"saved": False, "reason": f"{type(inner).__name__}: {inner}"}
+                log.error("omnickpt: checkpoint at failure to %s failed: %s: %s", self.storage.describe(),
+                          type(inner).__name__, inner, exc_info=True)
+            self.failure_save["trigger"] = trigger
+            raise
         finally:
-            for where, k, old in reversed(swaps):
-                if old is _MISSING:
-                    where.pop(k, None)
-                else:
-                    where[k] = old
+            self._depth -= 1
 
-    def _prepare(self, step: int, swaps: list) -> tuple[dict | None, str | None]:
-        problem = self._why_not(step)
-        if problem is not None:
-            return None, problem
-        state = dict(self._state)
-        for key, (kind, blob, tensors) in self._entries.items():
-            value = _thaw(blob, tensors)
-            state[key] = _FrozenDataParallel(value) if kind == "dataloader" else _FrozenStateful(value)
-        for (owner, attr, _), copy in zip(self._buffers, self._copies or []):
-            swaps.append((owner._buffers, attr, owner._buffers.get(attr, _MISSING)))
-            owner._buffers[attr] = copy
-        for opt, blob, tensors in self._groups:
-            for group, frozen in zip(opt.param_groups, _thaw(blob, tensors)):
-                for k, v in frozen.items():
-                    swaps.append((group, k, group.get(k, _MISSING)))
-                    group[k] = v
-        # What the save will see, before asking which tensors the modules hold: FSDP2's state-dict
-        # hook registers the sharded parameters again (after a forward the root holds unsharded ones).
-        collected = collect_save(state)
-        return state, self._replaced(step) or non_finite(collected)
+    def _save_at_failure(self, state: dict, error: BaseException, grace: float) -> dict:
+        """Every rank, once `error` left guarding(): post this rank's marker, learn who survives and
+        which replica group saves, then that group saves step N exactly or not at all. Returns this
+        rank's failure_save."""
+        rank, world, step = self.comm.rank, self.comm.world_size, self.last_step
+        # KeyboardInterrupt (Ctrl-C) leaves the rank's state intact: it may save, as a survivor does
+        survivor = world > 1 and (peer_failure(error) or exit_kind(error) == "interrupt")
+        run = f"{self.run}-s{step}"
+        if world > 1:
+            post_marker(self.storage, run, rank, {"rank": rank, "survivor": survivor, "step": step,
+                                                  "error": f"{type(error).__name__}: {error}"[:500]})
+        if not (survivor or world <= 1):
+            return {"saved": False, "reason": "this rank failed; the surviving ranks save"}
+        outcome = self._outcome()(step) if step is not None else {
+            "saved": False, "reason": "no step to save (read-only, closed, or save() never called)"}
+        if outcome is not None:
+            return outcome
+        savers, alive, outcome = self._savers(state, rank, world, run, grace)
+        if outcome is not None:
+            return outcome
+        return self._save_exact(state, step, rank, run, savers, alive)
 
-    def taken_from_capture(self) -> list[str]:
-        """What the failure save of the captured step takes from the capture (for failure_save)."""
-        out = sorted(self._entries)
-        if self._copies:
-            out.append(f"{len(self._copies)} module buffer(s)")
-        if self._groups:
-            out.append("optimizer hyperparameters")
-        return out
+    def _savers(self, state: dict, rank: int, world: int, run: str,
+                grace: float) -> tuple[tuple[int, ...], list[int], dict | None]:
+        """A survivor (or the one rank): (the replica group that saves, the surviving ranks, None),
+        or (.., .., this rank's failure_save) when this rank does not save."""
+        alive, replicas = [rank], replicas_of(state, world)
+        if world == 1:
+            return (rank,), alive, None
+        # Ranks still blocked in a collective with this one would wait for the process group's
+        # own timeout: closing this rank's connections fails their collective now.
+        abort_groups(self.group, state)
+        markers = await_markers(self.storage, run, world, grace, stop=lambda found: cannot_save(replicas, rank, found))
+        alive = sorted(r for r, m in markers.items() if m.get("survivor"))
+        if replicas.groups and cannot_save(replicas, rank, markers) and len(markers) < world:
+            return (), alive, {"saved": False, "alive": alive, "reason": "this rank's replica group lost a rank: it "
+                               "leaves, the other groups decide"}
+        savers = pick_savers(replicas, alive)
+        if savers is None:
+            log.error("omnickpt: rank(s) %s failed and no complete replica of the state survives (surviving ranks %s); "
+                      "nothing was saved at failure, step %s of %s stays the newest committed one",
+                      sorted(set(range(world)) - set(alive)), alive, self._latest()(), self.storage.describe())
+            return (), alive, {"saved": False, "alive": alive, "reason": "no complete replica survives"}
+        if rank not in savers:
+            return savers, alive, {"saved": False, "alive": alive, "savers": list(savers),
+                                   "reason": "another replica saves"}
+        return savers, alive, None
 
-    def _why_not(self, step: int) -> str | None:
-        if self.step != step:
-            return f"the state of step {step} was not captured (the last capture is of step {self.step})"
-        if self._problem is not None:
-            return self._problem
-        moved = self.watch.since(self._mark, f"save({step})")
-        if moved is not None:
-            return moved
-        if self._buffers and self._copies is None:
-            size = sum(owner._buffers[attr].nbytes for owner, attr, _ in self._buffers)
-            return (f"the module buffers ({size / 2**20:.0f} MiB) exceed what a capture copies (BUFFER_BYTES, "
-                    f"{BUFFER_BYTES >> 20} MiB): they may have moved since save({step})")
-        return self._changed_since(step)
-
-    def _changed_since(self, step: int) -> str | None:
-        """_why_not's checks of the state against the capture of save(`step`): the first difference
-        found, in the order the checks were always made (so the message stays the same)."""
-        for (name, t), v in zip(self._stable.items(), self._versions):
-            if v is not None and _version(t) != v:
-                return f"{name} was changed in place since save({step}), outside an optimizer step"
-        if [(id(o), a) for o, a, _ in _buffers_of(self._state)] != [(id(o), a) for o, a, _ in self._buffers]:
-            return f"the state's module buffers are not those of save({step}) (added, removed or moved since)"
-        for opt, blob, tensors in self._groups:
-            if len(opt.param_groups) != len(_thaw(blob, tensors)):
-                return f"a param group was added to {type(opt).__name__} since save({step})"
-        return self._held_changed(step)
-
-    def _held_changed(self, step: int) -> str | None:
-        """A tensor the capture holds (state entries, param groups) changed in place since save(`step`)."""
-        held = [(repr(key), tensors) for key, (_, _, tensors) in self._entries.items()]
-        held += [(f"the param groups of {type(opt).__name__}", tensors) for opt, _, tensors in self._groups]
-        for where, tensors in held:
-            for t, v in tensors:
-                if v is not None and _version(t) != v:
-                    return f"a tensor of shape {tuple(t.shape)} in {where} was changed in place since save({step})"
-        return None
-
-
-    def _replaced(self, step: int) -> str | None:
-        """A parameter or optimizer state tensor of the state that is not the one captured (replaced,
-        or new) since save(`step`)."""
-        now = step_stable_tensors(self._state)
-        for name, t in now.items():
-            if self._stable.get(name) is not t:
-                return f"{name} was {'replaced' if name in self._stable else 'added'} since save({step})"
-        return None
+    def _save_exact(self, state: dict, step: int, rank: int, run: str, savers: tuple[int, ...],
+                    alive: list[int]) -> dict:
+        """Every rank of the replica group `savers`: save step `step` from the capture, exactly or not at
+        all, once this group has claimed it. Returns this rank's failure_save."""
+        group = SOLO if len(savers) == 1 else shard_group(state)
+        with self.capture.state_to_save(step) as (exact, problem):
+            if len(savers) > 1:   # every rank of the group holds part of the step: all exact, or none saves
+                problems = Comm(group).all_gather_object(problem, step="checkpoint at failure")
+                problem = next((f"rank {r}: {p}" for r, p in zip(savers, problems) if p), None)
+            if problem is not None:
+                log.error("omnickpt: not saving step %d to %s at failure: %s; step %s stays the newest committed "
+                          "one", step, self.storage.describe(), problem, self._latest()())
+                return {"saved": False, "step": step, "alive": alive, "savers": list(savers), "reason": problem}
+            # A survivor still blocked in a collective when the others decided can see more ranks alive
+            # and pick another group: the first group to claim the step saves it, the other stands down.
+            won = rank != savers[0] or self.storage.create_exclusive(
+                f"{MARKERS}/{run}/claim.json", json.dumps({"savers": list(savers)}).encode())
+            if len(savers) > 1:
+                won = Comm(group).broadcast_object(won, step="checkpoint at failure")
+            if not won:
+                return {"saved": False, "alive": alive, "reason": "another replica group saved this step"}
+            path = self._save()(step, exact, group, self.capture.kwargs)
+        log.warning("omnickpt: saved step %d to %s at failure (ranks %s, surviving ranks %s; from the capture of "
+                    "save(%d): %s)", step, path, list(savers), alive, step,
+                    ", ".join(self.capture.taken_from_capture()) or "nothing")
+        return {"saved": True, "step": step, "path": path, "savers": list(savers), "alive": alive,
+                "captured": self.capture.taken_from_capture()}
 
 
-class _FrozenStateful:
-    """Stands in a state to save for an entry as it was captured: the generic adapter saves
-    `state_dict()`'s value, as it saved the live entry's."""
-
-    def __init__(self, value: Any):
-        self._value = value
-
-    def state_dict(self) -> Any:
-        return self._value
-
-    def load_state_dict(self, state: Any) -> None:
-        raise CheckpointError("a captured state entry is only ever saved, never loaded into")
+def _weak(method: Callable) -> Callable[[], Callable]:
+    """A weak reference to a bound method (a plain function is held as it is)."""
+    if hasattr(method, "__self__"):
+        return weakref.WeakMethod(method)
+    return lambda: method
 
 
-class _FrozenDataParallel:
-    """Stands in a state to save for a dataloader (or sampler) as it was captured: the dataloader
-    adapter saves `dp_state_dict()`, as it saved the live one's."""
-
-    def __init__(self, value: dict):
-        self._value = value
-
-    def dp_state_dict(self) -> dict:
-        return self._value
-
-    def load_dp_state_dict(self, replicated: Any, shards: dict, saved_dp_size: int) -> None:
-        raise CheckpointError("a captured dataloader state is only ever saved, never loaded into")
-
-
-def _buffers_of(state: dict) -> list[tuple[Any, str, str]]:
-    """(owner module, attribute, name) of every persistent buffer of the state's modules."""
-    out, seen = [], set()
-    for key, value in state.items():
-        if not isinstance(value, nn.Module):
+def abort_groups(group: Any, state: dict) -> None:
+    """Abort (close the connections of) the job's process group and the state's device-mesh groups
+    that span replicas: a peer blocked in a collective with this rank then fails at once instead of
+    at the group's timeout. The groups along sharded mesh dimensions stay: a replica group that
+    survives whole saves over its own (the job's store may be gone with the failed ranks, so no
+    new group could be made). Only after a failure: aborted groups are unusable."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+    groups = [group if group is not None else dist.group.WORLD]
+    for p in _dtensors(state):
+        mesh = p.device_mesh
+        groups += [mesh.get_group(d) for d, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
+    seen: set[int] = set()
+    for g in groups:
+        if g is None or id(g) in seen:
             continue
-        for prefix, module in unwrap(value).named_modules():
-            for attr, b in module._buffers.items():
-                if b is None or attr in module._non_persistent_buffers_set or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                out.append((module, attr, f"{key}/{prefix + '.' if prefix else ''}{attr}"))
-    return out
+        seen.add(id(g))
+        try:
+            g.abort()
+        except Exception as e:   # already broken, or a backend without abort: the grace period covers it
+            log.debug("omnickpt: aborting a process group after a failure: %s", e)
 
 
-def _versions(tensors) -> list[int | None]:
-    try:
-        return [t._version for t in tensors]   # ~0.1 us a tensor: this runs at every capture
-    except RuntimeError:
-        return [_version(t) for t in tensors]
+def _dtensors(state: dict):
+    from torch.distributed.tensor import DTensor
+    for value in state.values():
+        if isinstance(value, nn.Module):
+            yield from (p for p in value.parameters() if isinstance(p, DTensor))
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except (RuntimeError, AttributeError):   # an inference tensor keeps no version counter
-        return None
-
-
-class _Freezer(pickle.Pickler):
-    """Pickles a value with its tensors kept aside: copied when small, by reference (with the
-    version counter) when the generic adapter would save them as tensors of their own (large
-    ones) or as boxes (DTensors), which the capture must not copy at every step.
-
-    reducer_override, not persistent_id: pickle asks it only for objects that are not ints,
-    floats, strings or plain containers, so the 625 ints of Python's RNG state cost no Python call."""
-
-    def __init__(self, file):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[tuple[torch.Tensor, int | None]] = []
-
-    def reducer_override(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        version = _version(obj)
-        if version is not None and (is_dtensor(obj) or obj.nbytes >= MIN_TENSOR_BYTES):
-            self.tensors.append((obj, version))
-        else:
-            with torch.no_grad():
-                self.tensors.append((obj.detach().clone(), None))
-        return _held_tensor, (len(self.tensors) - 1,)   # pickle memoises obj: a tensor twice stays one
-
-
-def _held_tensor(index: int) -> torch.Tensor:
-    raise AssertionError("resolved by _Thawer.find_class, never called")
-
-
-class _Thawer(pickle.Unpickler):
-    def __init__(self, file, tensors: list):
-        super().__init__(file)
-        self._tensors = tensors
-
-    def find_class(self, module: str, name: str):
-        if module == __name__ and name == "_held_tensor":
-            return lambda index: self._tensors[index][0]
-        return super().find_class(module, name)
-
-
-def _freeze(value: Any) -> tuple[bytes, list]:
-    buf = io.BytesIO()
-    freezer = _Freezer(buf)
-    freezer.dump(value)
-    return buf.getvalue(), freezer.tensors
-
-
-def _thaw(blob: bytes, tensors: list) -> Any:
-    return _Thawer(io.BytesIO(blob), tensors).load()
-
-
-def non_finite(collected: list) -> str | None:
-    """The first floating tensor of a state as the adapters save it (`collect_save`'s shards and
-    tensors inside objects) that holds NaN or Inf, named; None when every one is finite."""
-    for key, items in collected:
-        for s in items.shards:
-            if not _finite(s.local):
-                return f"tensor {s.name!r} holds NaN or Inf"
-        for name, value in items.objects.items():
-            bad = _non_finite_inside(value, name)
-            if bad is not None:
-                return f"tensor {bad!r} (inside an object) holds NaN or Inf"
-    return None
-
-
-def _finite(t: torch.Tensor) -> bool:
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return True
-    # in pieces: a bool mask of a whole multi-GB tensor would be a large allocation at a bad moment
-    parts = t.reshape(-1).split(1 << 24) if t.is_contiguous() else (t,)
-    return all(bool(torch.isfinite(p).all()) for p in parts)
-
-
-def _non_finite_inside(value: Any, path: str, depth: int = 0) -> str | None:
-    if isinstance(value, torch.Tensor):
-        return None if _finite(value) else path
-    if depth > 64:
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for k, v in items:
-        bad = _non_finite_inside(v, f"{path}/{k}", depth + 1)
-        if bad is not None:
-            return bad
-    return None
+def shard_group(state: dict) -> Any:
+    """This rank's process group along the sharded dimension of the state's HSDP mesh."""
+    from torch.distributed.tensor import Replicate
+    for p in _dtensors(state):
+        dims = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+        if len(dims) == 1:
+            return p.device_mesh.get_group(dims[0])
+    raise CheckpointError("checkpoint at failure: the state's replica group has no single sharded mesh dimension")

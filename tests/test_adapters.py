@@ -236,7 +236,7 @@ def _memory_tier(rank, world_size, root, job):
     # on both), so the per-rank names must come from the job-wide rank for the merged durable copy
     # to keep both ranks' tensors.
     from omnickpt.storage.shm import clear_memory
-    mgr = omnickpt.CheckpointManager(root, memory=f"shm://{job}", ranks_per_node=1, persist_every=1)
+    mgr = omnickpt.TieredCheckpointManager(root, memory=f"shm://{job}", ranks_per_node=1, persist_every=1)
     try:
         mgr.save(1, {"extra": _values(20 + rank)}, async_save=True)
         mgr.wait()

@@ -233,7 +233,7 @@ def test_a_memory_tier_step_is_not_saved_to_root_from_the_live_state(tmp_path, m
     monkeypatch.setenv("OMNICKPT_SHM_DIR", str(tmp_path / "shm"))
     job = f"guard-{uuid.uuid4().hex[:8]}"
     model = _model()
-    mgr = omnickpt.CheckpointManager(str(tmp_path / "root"), memory=f"shm://{job}")
+    mgr = omnickpt.TieredCheckpointManager(str(tmp_path / "root"), memory=f"shm://{job}")
     try:
         try:
             with mgr.guard({"model": model}, grace=1):

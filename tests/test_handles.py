@@ -145,11 +145,13 @@ def test_a_subclass_given_memory_is_refused(tmp_path):
 
 
 def test_the_three_ways_build_the_same_tiered_manager(job, tmp_path):
+    # CheckpointManager(root, memory=...), the third way, is a TypeError naming TieredCheckpointManager now
+    # (test_memory_tier.py); the package's own name is the other spelling of the first way.
     options = MemoryTierOptions(f"shm://{job}", memory_keep=2, persist_on_failure=False)
     ways = [lambda root: TieredCheckpointManager(root, memory=f"shm://{job}", memory_keep=2, persist_on_failure=False),
             lambda root: TieredCheckpointManager(root, memory=options),
-            lambda root: omnickpt.CheckpointManager(root, memory=f"shm://{job}", memory_keep=2,
-                                                    persist_on_failure=False)]
+            lambda root: omnickpt.TieredCheckpointManager(root, memory=f"shm://{job}", memory_keep=2,
+                                                          persist_on_failure=False)]
     for build in ways:
         with build(str(tmp_path / "root")) as mgr:
             assert type(mgr) is TieredCheckpointManager and mgr.options == options

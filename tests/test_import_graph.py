@@ -28,12 +28,7 @@ PACKAGE = "omnickpt"
 # Edges known to close a cycle, each being removed by its own change; the lead empties this set once
 # they land. Only these edges are left out, so any other cycle still fails the check. An entry whose
 # import is gone is ignored (the change removing it may land before this set is emptied).
-ALLOWED: dict[tuple[str, str], str] = {
-    # CheckpointManager.__new__ builds the tiered manager when given memory= (issue 18: being removed).
-    # The tiered manager is moving from omnickpt/tiered.py to omnickpt/memory/manager.py, hence both.
-    ("omnickpt.manager", "omnickpt.tiered"): "CheckpointManager.__new__ imports TieredCheckpointManager",
-    ("omnickpt.manager", "omnickpt.memory.manager"): "CheckpointManager.__new__ imports TieredCheckpointManager",
-}
+ALLOWED: dict[tuple[str, str], str] = {}   # no known cycle: an entry here must say why it is allowed
 
 
 def _modules() -> dict[str, Path]:

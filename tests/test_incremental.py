@@ -255,7 +255,7 @@ def test_a_smaller_block_writes_fewer_bytes_for_scattered_rows_and_a_new_size_st
 
 def test_the_memory_tier_refuses_incremental_by_name(tmp_path):
     with pytest.raises(UnsupportedError, match="memory tier"):
-        omnickpt.CheckpointManager(str(tmp_path), memory="shm://inc-refused", incremental=True)
+        omnickpt.TieredCheckpointManager(str(tmp_path), memory="shm://inc-refused", incremental=True)
 
 
 def test_without_a_base_an_incremental_save_compares_with_the_last_one_committed_next_to_it(tmp_path):

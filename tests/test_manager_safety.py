@@ -76,8 +76,8 @@ def _is_step(model: torch.nn.Linear, extra: dict, step: int) -> bool:
     return extra == {"step": step} and torch.equal(model.weight, want.weight) and torch.equal(model.bias, want.bias)
 
 
-def _manager(root, job, **kw) -> omnickpt.CheckpointManager:
-    return omnickpt.CheckpointManager(str(root), memory=f"shm://{job}", **kw)
+def _manager(root, job, **kw) -> omnickpt.TieredCheckpointManager:
+    return omnickpt.TieredCheckpointManager(str(root), memory=f"shm://{job}", **kw)
 
 
 _PRELUDE = textwrap.dedent("""

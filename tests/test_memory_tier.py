@@ -1,4 +1,4 @@
-"""The memory tier: shm:// storage, CheckpointManager(memory=...) saving to shared memory and
+"""The memory tier: shm:// storage, TieredCheckpointManager(memory=...) saving to shared memory and
 persisting to the durable root in the background, restore after a real kill -9 without reading the
 durable root, every fallback (memory missing, stale, incomplete, corrupt), peer replicas across
 simulated nodes, and persist-on-failure (a real SIGTERM, an exception leaving `with manager:`).
@@ -62,8 +62,8 @@ def _blank() -> tuple[torch.nn.Linear, dict]:
     return m, {"model": m, "extra": {}}
 
 
-def _manager(root, job, **kw) -> omnickpt.CheckpointManager:
-    return omnickpt.CheckpointManager(str(root), memory=f"shm://{job}", **kw)
+def _manager(root, job, **kw) -> omnickpt.TieredCheckpointManager:
+    return omnickpt.TieredCheckpointManager(str(root), memory=f"shm://{job}", **kw)
 
 
 def _child(code: str) -> subprocess.Popen:
@@ -350,16 +350,18 @@ def test_memory_options_as_a_dataclass_or_keywords_build_the_tiered_manager(job,
     assert not os.path.exists(shm_path(f"shm://{job}"))   # refused before anything touched shared memory
     options = MemoryTierOptions(f"shm://{job}", memory_keep=2, persist_every=2, persist_on_failure=False)
     with pytest.raises(TypeError, match="memory_keep"):
-        omnickpt.CheckpointManager(str(tmp_path / "a"), memory=options, memory_keep=3)
-    with omnickpt.CheckpointManager(str(tmp_path / "a"), memory=options) as mgr:
-        assert type(mgr) is TieredCheckpointManager and isinstance(mgr, omnickpt.CheckpointManager)
+        TieredCheckpointManager(str(tmp_path / "a"), memory=options, memory_keep=3)
+    with pytest.raises(TypeError, match=r"TieredCheckpointManager\(root, memory="):   # one way to build it
+        omnickpt.CheckpointManager(str(tmp_path / "a"), memory=options)
+    with TieredCheckpointManager(str(tmp_path / "a"), memory=options) as mgr:
+        assert type(mgr) is TieredCheckpointManager and not isinstance(mgr, omnickpt.CheckpointManager)
         assert mgr.options == options
         for step in range(1, 5):
             mgr.save(step, {"model": _model(step), "extra": {"step": step}})
         mgr.wait()
         assert mgr.memory_steps() == [3, 4]   # memory_keep=2 took effect
         assert mgr.steps() == [2, 4]          # persist_every=2 too
-    # The keywords of CheckpointManager(root, memory=...) build the same options.
+    # The keywords of TieredCheckpointManager(root, memory=...) build the same options.
     with _manager(tmp_path / "b", job, memory_keep=2, persist_every=2, persist_on_failure=False) as mgr:
         assert type(mgr) is TieredCheckpointManager and mgr.options == options
     with pytest.raises(TypeError, match="memory_keep"):   # no memory: refused (tests/test_handles.py)

@@ -52,7 +52,7 @@ def summarize(kind: str, per_rank: list[dict], *, total_seconds: float | None = 
         secs = [v for v, _ in vals]
         slow = max(vals)
         out_phases[p] = {"min": min(secs), "median": statistics.median(secs), "max": slow[0], "slowest_rank": slow[1]}
-    data_key = "written" if kind == "save" else "read"
+    data_key = "written" if kind in ("save", "persist", "convert") else "read"
     bytes_per_rank = [r["bytes"].get(data_key, 0) for r in per_rank]
     report = {
         "kind": kind,

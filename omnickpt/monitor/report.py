@@ -90,7 +90,7 @@ def _rank_records(report: dict):
 
 
 # The byte count of a rank's record that a report's kind moved; the other kinds ("load") read.
-_DATA_KEY = {"save": "written", "convert": "written"}
+_DATA_KEY = {"save": "written", "convert": "written", "persist": "written"}
 
 
 def timeline(report: dict) -> Timeline:
