@@ -29,21 +29,17 @@ import torch
 from torch import nn
 
 from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, tensor_shards
-from omnickpt.adapters.module import detect_framework, unwrap
+from omnickpt.adapters.module import canonical_name, detect_framework, match_saved_names, unwrap
 from omnickpt.errors import UnsupportedError
 from omnickpt.layout import Box, flat_range_to_boxes
 
-# Path components that wrappers insert into parameter names and that the plain module has not.
-WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def clean_fqn(name: str) -> str:
-    """`name` without wrapper components: the name the same parameter has in the plain module."""
-    return ".".join(part for part in name.split(".") if part and part not in WRAPPER_NAMES)
+# FSDP1 names hold "_fsdp_wrapped_module" (and often the other wrapper segments): dropped, as for
+# every module and optimizer (module.canonical_name). `clean_fqn` is its older name here.
+clean_fqn = canonical_name
 
 
 def _join(prefix: str, name: str) -> str:
-    return clean_fqn(f"{prefix}.{name}" if prefix else name)
+    return canonical_name(f"{prefix}.{name}" if prefix else name)
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,7 @@ def flat_param_shards(root: nn.Module) -> list[FlatParamShard]:
         if handle is None:      # an FSDP instance that manages no parameters
             continue
         # _fqns are relative to the wrapped module, which is the FSDP instance's path plus
-        # "_fsdp_wrapped_module" (dropped by clean_fqn).
+        # "_fsdp_wrapped_module" (dropped by canonical_name).
         out.append(_flat_param_shard(handle, paths[id(fsdp)]))
     return out
 
@@ -180,11 +176,11 @@ def _unflattened_state(root: nn.Module, managed: set[int]) -> Iterator[tuple[str
     for mname, m in root.named_modules(remove_duplicate=False):
         for name, p in m.named_parameters(prefix=mname, recurse=False, remove_duplicate=False):
             if id(p) not in managed:
-                yield clean_fqn(name), p
+                yield canonical_name(name), p
         skip = getattr(m, "_non_persistent_buffers_set", set())
         for name, b in m.named_buffers(prefix=mname, recurse=False, remove_duplicate=False):
             if name.rpartition(".")[2] not in skip:
-                yield clean_fqn(name), b
+                yield canonical_name(name), b
 
 
 def _extra_state_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -235,6 +231,11 @@ def load_fsdp1(key: str, root: nn.Module) -> LoadTarget:
             if name in extra_modules:
                 extra_modules[name].set_extra_state(value)
 
+    def prepare(manifest) -> None:
+        # a checkpoint of the same model saved with wrapper segments in its names (a compiled block)
+        match_saved_names(target.shards, manifest, target.prefix)
+
+    target.prepare = prepare
     target.finish = finish
     return target
 

@@ -15,7 +15,63 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, is_dtensor, tensor_shards
+from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, is_dtensor, tensor_shards
+from omnickpt.errors import UnsupportedError
+
+# Name segments that wrappers insert and the plain module has not: activation checkpointing's
+# checkpoint_wrapper, torch.compile's OptimizedModule (at any depth: a compiled block inside a model,
+# compiled again or not) and FSDP1. PyTorch DCP drops the same ones
+# (torch.distributed.checkpoint.state_dict._get_fqns), so names without them are the ones DCP
+# checkpoints (torchtitan's) hold, and a model loads whether it is wrapped or not.
+WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def canonical_name(name: str) -> str:
+    """`name` (a parameter name, or a whole tensor name such as 'optim/state/fc._orig_mod.weight/exp_avg')
+    without wrapper segments: the name the same tensor has in the plain module, as DCP names it.
+    Every adapter names module and optimizer tensors through this function."""
+    if "_mod" not in name:     # a substring of every wrapper name: the common case costs one scan
+        return name
+    return SEP.join(".".join(part for part in piece.split(".") if part and part not in WRAPPER_NAMES)
+                    for piece in name.split(SEP))
+
+
+def match_saved_names(shards: list[TensorShard], manifest, prefix: str) -> None:
+    """Rename, in place, each shard whose (canonical) name the manifest lacks to the name the
+    manifest holds it under with wrapper segments: checkpoints written before names were canonical
+    (optimizer state keyed by named_parameters(), so 'layers.0._checkpoint_wrapped_module.w', and
+    module tensors of a model with compiled blocks) keep loading, into wrapped models and plain ones.
+    Only names under `prefix` (one state entry's) are looked at. Called from `prepare` hooks."""
+    saved: dict[str, str] = {}
+    for name in manifest.tensors:
+        if name.startswith(prefix):
+            clean = canonical_name(name)
+            if clean != name:
+                saved.setdefault(clean, name)
+    if not saved:
+        return
+    for i, s in enumerate(shards):
+        if s.name not in manifest.tensors and s.name in saved:
+            shards[i] = TensorShard(saved[s.name], s.shape, s.dtype, s.box, s.local)
+
+
+def canonical_names(where: str, names) -> dict[str, str]:
+    """name -> canonical_name(name) for those of `names` (one module's or optimizer's) that it
+    changes; look names up with `.get(name, name)`. UnsupportedError when two names would become
+    one (two wrapped copies of one module side by side), which DCP refuses too. Costs one substring
+    test per name when nothing is wrapped: it runs on the stall path of every save."""
+    names = list(names)
+    changed = {n: c for n in names if "_mod" in n and (c := canonical_name(n)) != n}
+    if changed:
+        seen: dict[str, str] = {}
+        for name in names:
+            clean = changed.get(name, name)
+            other = seen.setdefault(clean, name)
+            if other != name:
+                raise UnsupportedError(
+                    f"{where}: tensors {other!r} and {name!r} both take the name {clean!r} once wrapper segments "
+                    f"({', '.join(sorted(WRAPPER_NAMES))}) are dropped; rename one of the modules")
+    return changed
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -79,17 +135,19 @@ def save_module(key: str, module: nn.Module) -> SaveItems:
     placements: dict[Any, int] = {}
     mesh = None
     with torch.no_grad():
-        for name, value in unwrap(module).state_dict().items():
+        sd = unwrap(module).state_dict()
+        names = canonical_names(key, sd)
+        for name, value in sd.items():
             if isinstance(value, torch.Tensor):
                 # state_dict() already hands out detached tensors; detaching a DTensor again costs
                 # a dispatch per tensor on the stall path
-                items.shards.extend(tensor_shards(f"{key}{SEP}{name}", value))
+                items.shards.extend(tensor_shards(f"{key}{SEP}{names.get(name, name)}", value))
                 if framework in ("fsdp2", "dtensor") and is_dtensor(value):
                     # counted by the placements tuple itself: no string per tensor on the stall path
                     placements[value.placements] = placements.get(value.placements, 0) + 1
                     mesh = mesh or value.device_mesh
             else:
-                extra[name] = value   # e.g. get_extra_state() values
+                extra[names.get(name, name)] = value   # e.g. get_extra_state() values
     if extra:
         items.objects[key] = extra
     if mesh is not None:
@@ -104,6 +162,7 @@ def load_module(key: str, module: nn.Module) -> LoadTarget:
     # keep_vars=True hands back the parameters and buffers themselves: filling them in place
     # loads the module with no second copy.
     sd = inner.state_dict(keep_vars=True)
+    names = canonical_names(key, sd)
     owned = {id(t) for t in inner.parameters()} | {id(t) for t in inner.buffers()}
     target = LoadTarget(prefix=f"{key}{SEP}", framework=framework)
     copies: dict[str, torch.Tensor] = {}
@@ -112,9 +171,9 @@ def load_module(key: str, module: nn.Module) -> LoadTarget:
     tied: dict[int, list[str]] = {}
     for name, value in sd.items():
         if isinstance(value, torch.Tensor):
-            tied.setdefault(id(value), []).append(f"{key}{SEP}{name}")
+            tied.setdefault(id(value), []).append(f"{key}{SEP}{names.get(name, name)}")
             dest = value.detach()
-            target.shards.extend(tensor_shards(f"{key}{SEP}{name}", dest))
+            target.shards.extend(tensor_shards(f"{key}{SEP}{names.get(name, name)}", dest))
             if id(value) not in owned:
                 copies[name] = dest   # produced by a state-dict hook: install with load_state_dict
         else:
@@ -125,6 +184,7 @@ def load_module(key: str, module: nn.Module) -> LoadTarget:
     dropped: list[bool] = []    # set by prepare: the checkpoint holds no module here, install nothing
 
     def prepare(manifest) -> list[str] | None:
+        match_saved_names(target.shards, manifest, target.prefix)
         _satisfy_tied(manifest, target, tied)
         # A module's tensors are stored as tensors under `key/`. When none of them is there but the
         # entry was saved (as an object), it was saved as a plain value: say so, instead of listing
@@ -147,7 +207,9 @@ def load_module(key: str, module: nn.Module) -> LoadTarget:
         if dropped:
             return
         install = dict(copies)
-        install.update(objects.get(key) or {})
+        # saved under canonical names (or, before, under the module's own): installed under the target's
+        own = {names.get(n, n): n for n in extra_keys}
+        install.update({own.get(canonical_name(n), n): v for n, v in (objects.get(key) or {}).items()})
         if install:
             inner.load_state_dict(install, strict=False)
 

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, full_shard, tensor_shards
-from omnickpt.adapters.fsdp1 import FlatOptimParam, clean_fqn, optimizer_params
-from omnickpt.adapters.module import is_fsdp1, unwrap
+from omnickpt.adapters.fsdp1 import FlatOptimParam, optimizer_params
+from omnickpt.adapters.generic import load_value, save_value
+from omnickpt.adapters.module import canonical_name, is_fsdp1, match_saved_names, unwrap
 from omnickpt.errors import CorruptCheckpointError, UnsupportedError
 
 
@@ -50,8 +51,10 @@ def _optimizer_params(key: str, optimizer: torch.optim.Optimizer, modules: dict[
             for pid, fp in optimizer_params(inner).items():
                 flat.setdefault(pid, replace(fp, pieces=[replace(p, fqn=qualify(p.fqn)) for p in fp.pieces]))
         for name, p in inner.named_parameters(remove_duplicate=False):
-            # parameters FSDP1 leaves alone (ignored modules) are named as the module adapter names them
-            by_id.setdefault(id(p), qualify(clean_fqn(name) if fsdp1 else name))
+            # named as the module adapter names the parameter: without wrapper segments, as DCP
+            # names it, so that state saved with activation checkpointing or a compiled block
+            # loads without them and the other way round
+            by_id.setdefault(id(p), qualify(canonical_name(name)))
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -83,17 +86,47 @@ def _class_name(cls: type) -> str:
 
 
 class OptimizerAdapter(Adapter):
-    """torch.optim optimizers, their state named by the parameter names of the modules in the same state."""
+    """torch.optim optimizers, their state named by the parameter names of the modules in the same
+    state. An Optimizer subclass whose state_dict() has another layout than torch's goes through its
+    own state_dict()/load_state_dict(): DCP's flattened layout (torchtitan's OptimizersContainer) is
+    saved as omnickpt's optimizer layout (`save_flat_optimizer`), any other as a Stateful object
+    (the generic adapter's way)."""
     name = "optimizer"
 
     def claims(self, value: Any, state: dict) -> bool:
         return isinstance(value, torch.optim.Optimizer)
 
     def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
-        return save_optimizer(key, value, state_modules(state))
+        osd = value.state_dict()
+        if flat_layout(osd):
+            return save_flat_optimizer(key, value, osd)
+        if not torch_layout(osd):
+            return save_value(key, osd)
+        return save_optimizer(key, value, state_modules(state), osd)
 
     def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
+        # Optimizer.state_dict() itself always has torch's layout: only a class that overrides it is asked
+        if type(value).state_dict is not torch.optim.Optimizer.state_dict:
+            current = value.state_dict()
+            if flat_layout(current):
+                return load_flat_optimizer(key, value, current)
+            if not torch_layout(current):
+                return load_value(key, value, state)
         return load_optimizer(key, value, state_modules(state))
+
+
+def torch_layout(osd: Any) -> bool:
+    """Whether an optimizer's state_dict() has torch's layout: {"state": {index: {...}},
+    "param_groups": [{..., "params": [index...]}]}."""
+    return isinstance(osd, dict) and isinstance(osd.get("state"), dict) and isinstance(osd.get("param_groups"), list)
+
+
+def flat_layout(osd: Any) -> bool:
+    """Whether an optimizer's state_dict() has the layout of DCP's get_optimizer_state_dict(...,
+    options=StateDictOptions(flatten_optimizer_state_dict=True)), which torchtitan's
+    OptimizersContainer returns: {"state.<fqn>.<state key>": value, "param_groups.<fqn>.<field>": value}."""
+    return (isinstance(osd, dict) and bool(osd)
+            and all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in osd))
 
 
 def state_modules(state: dict) -> dict[str, nn.Module]:
@@ -101,9 +134,11 @@ def state_modules(state: dict) -> dict[str, nn.Module]:
     return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
 
 
-def save_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> SaveItems:
+def save_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module],
+                   osd: dict | None = None) -> SaveItems:
+    """`osd`: the optimizer's state_dict() when the caller has it already."""
     params = _optimizer_params(key, optimizer, modules)
-    osd = optimizer.state_dict()
+    osd = optimizer.state_dict() if osd is None else osd
     items = SaveItems(framework=optimizer_kind(optimizer))
     extra: dict[str, dict[str, Any]] = {}
     for idx, st in osd["state"].items():
@@ -266,7 +301,8 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
         for tname in manifest.tensors:
             if tname.startswith(prefix):
                 fqn, _, k = tname[len(prefix):].rpartition(SEP)
-                wanted.setdefault(fqn, []).append((k, tname))
+                # by canonical name: checkpoints saved before names were canonical hold wrapper segments
+                wanted.setdefault(canonical_name(fqn), []).append((k, tname))
         difference = _kind_difference(key, optimizer, params, wanted,
                                       (manifest.layout.get("frameworks") or {}).get(key))
         if difference is not None:
@@ -310,6 +346,7 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 continue
             for k, dest in dests.get(idx, {}).items():
                 target.shards.extend(tensor_shards(f"{prefix}{par.names[0]}{SEP}{k}", dest))
+        match_saved_names(target.shards, manifest, target.prefix)
         return differences or None
 
     def check(objects) -> list[str]:
@@ -329,8 +366,9 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             mine = [name for par in params[start:start + count] for name in par.names]
             # After transforms the saved groups still name the saved parameters; the state tensors
             # were renamed with them, so groups match by position and the target's names stand.
-            if set(sg["params"]) != set(mine) and not any(renamed):
-                diffs.append(f"{key}: param group {gi} holds {sorted(set(sg['params']) ^ set(mine), key=str)[:5]} "
+            theirs = {canonical_name(n) if isinstance(n, str) else n for n in sg["params"]}
+            if theirs != set(mine) and not any(renamed):
+                diffs.append(f"{key}: param group {gi} holds {sorted(theirs ^ set(mine), key=str)[:5]} "
                              "in only one of checkpoint and optimizer; its param groups are not loaded")
             start += count
         if diffs:
@@ -341,7 +379,7 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
         saved = objects.get(key)
         if saved is None or dropped:
             return
-        extra = saved.get("state", {})
+        extra = {canonical_name(n) if isinstance(n, str) else n: v for n, v in saved.get("state", {}).items()}
         state = {}
         for idx, par in enumerate(params):
             if par.flat is not None and par.flat.numel == 0:
@@ -365,6 +403,122 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 groups.append({**sg, "params": range(start, start + count)})
                 start += count
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    target.prepare = prepare
+    target.check = check
+    target.finish = finish
+    return target
+
+
+# ---- DCP's flattened layout (torchtitan's OptimizersContainer) -------------------------------------
+def _flat_key(name: str) -> tuple[str, str, str]:
+    """("state" or "param_groups", canonical parameter name, state key or group field) of a key of
+    the flattened layout, e.g. "state.layers.0.attn.wq.weight.exp_avg"; state keys and group fields
+    hold no dot."""
+    kind, _, rest = name.partition(".")
+    fqn, _, field = rest.rpartition(".")
+    if not fqn or not field:
+        raise UnsupportedError(f"optimizer state {name!r}: a key of a flattened optimizer state dict is "
+                               "'state.<parameter>.<state key>' or 'param_groups.<parameter>.<field>'")
+    return kind, canonical_name(fqn), field
+
+
+def save_flat_optimizer(key: str, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> SaveItems:
+    """Save a flattened optimizer state dict (`flat_layout`) as omnickpt's optimizer layout: state
+    tensors as "<key>/state/<fqn>/<state key>" (DTensors by their boxes, plain tensors whole), the
+    param groups and non-tensor state as one object, parameters named, as DCP's reader of such
+    checkpoints makes them (formats/dcp): so torchtitan's DCP checkpoints load into the container,
+    and its checkpoints reshard like any optimizer's."""
+    items = SaveItems(framework=optimizer_kind(optimizer))
+    extra: dict[str, dict[str, Any]] = {}
+    fields: dict[str, dict[str, Any]] = {}
+    for name, v in osd.items():
+        kind, fqn, field = _flat_key(name)
+        if kind == "param_groups":
+            fields.setdefault(fqn, {})[field] = v
+        elif isinstance(v, torch.Tensor):
+            items.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{field}", _nograd(v)))
+        else:
+            extra.setdefault(fqn, {})[field] = v
+    # The flattened layout repeats a group's fields for each parameter: parameters with the same
+    # fields are one group (as the DCP reader groups them).
+    groups: dict[str, dict[str, Any]] = {}
+    for fqn, f in fields.items():
+        groups.setdefault(repr(sorted(f.items())), {**f, "params": []})["params"].append(fqn)
+    items.objects[key] = {"param_groups": list(groups.values()), "state": extra}
+    return items
+
+
+def load_flat_optimizer(key: str, optimizer: torch.optim.Optimizer, current: dict[str, Any]) -> LoadTarget:
+    """Load omnickpt's optimizer layout (saved by save_flat_optimizer, by a torch optimizer over the
+    same parameters, or read from a DCP checkpoint) into an optimizer whose state_dict() is
+    flattened. `current`, its state_dict() now, gives the destinations (its state tensors, filled in
+    place) and the keys; the filled dict goes to its load_state_dict()."""
+    target = LoadTarget(prefix=f"{key}{SEP}", objects=[key], framework=optimizer_kind(optimizer))
+    own: dict[str, set[str]] = {}     # canonical parameter name -> its tensor state keys
+    flat_names: dict[tuple[str, str, str], str] = {}
+    for name, v in current.items():
+        kind, fqn, field = _flat_key(name)
+        flat_names[kind, fqn, field] = name
+        if kind == "state" and isinstance(v, torch.Tensor):
+            own.setdefault(fqn, set()).add(field)
+            target.shards.extend(tensor_shards(f"{key}{SEP}state{SEP}{fqn}{SEP}{field}", _nograd(v)))
+    params = {fqn for _, fqn, _ in flat_names}
+    dropped: list[bool] = []    # set by prepare: the checkpoint's state does not fit, install nothing
+
+    def prepare(manifest) -> list[str] | None:
+        match_saved_names(target.shards, manifest, target.prefix)
+        prefix = f"{key}{SEP}state{SEP}"
+        saved: dict[str, set[str]] = {}
+        for tname in manifest.tensors:
+            if tname.startswith(prefix):
+                fqn, _, k = tname[len(prefix):].rpartition(SEP)
+                saved.setdefault(canonical_name(fqn), set()).add(k)
+        for fqn, keys in own.items():
+            if fqn in saved and saved[fqn] != keys:
+                saved_kind = (manifest.layout.get("frameworks") or {}).get(key) or "an unrecorded optimizer class"
+                dropped.append(True)
+                target.shards.clear()
+                target.objects.clear()
+                return [f"{key}: the checkpoint's optimizer state does not fit this optimizer: parameter {fqn!r} has "
+                        f"state {sorted(saved[fqn])} in the checkpoint (saved by {saved_kind}) but {sorted(keys)} in "
+                        f"the optimizer ({optimizer_kind(optimizer)}); load into an optimizer of the kind and options "
+                        "it was saved with, or pass strict=False to load the rest and leave this one as it is"]
+        return None
+
+    def check(objects) -> list[str]:
+        saved = objects.get(key)
+        if saved is None or dropped:
+            return []
+        if not torch_layout(saved):
+            return [f"{key}: the checkpoint's entry {key!r} is not an optimizer's state (no param_groups); load it "
+                    "into what it was saved from"]
+        covered = {canonical_name(n) for g in saved["param_groups"] for n in g.get("params", ()) if isinstance(n, str)}
+        missing = sorted(params - covered)
+        if not missing:
+            return []
+        return [f"{key}: the checkpoint's param groups hold no settings (lr...) for {len(missing)} parameter(s) of "
+                f"the optimizer, such as {missing[:3]}; they keep their own"]
+
+    def finish(objects) -> None:
+        saved = objects.get(key)
+        if saved is None or dropped or not torch_layout(saved):
+            return
+        flat = dict(current)    # its state tensors are filled in place already
+        for group in saved["param_groups"]:
+            for param in group.get("params", ()):
+                fqn = canonical_name(param) if isinstance(param, str) else param
+                if fqn not in params:
+                    continue
+                for field, v in group.items():
+                    if field != "params":
+                        flat[flat_names.get(("param_groups", fqn, field), f"param_groups.{fqn}.{field}")] = v
+        for param, st in saved["state"].items():
+            fqn = canonical_name(param) if isinstance(param, str) else param
+            if fqn in params:
+                for field, v in st.items():
+                    flat[flat_names.get(("state", fqn, field), f"state.{fqn}.{field}")] = v
+        optimizer.load_state_dict(flat)
 
     target.prepare = prepare
     target.check = check
