@@ -44,6 +44,7 @@ from omnickpt.format import DATA_DIR
 from omnickpt.errors import CheckpointError, UnsupportedError
 from omnickpt.export import export_dcp, export_hf
 from omnickpt.export.destination import refuse_occupied
+from omnickpt.export.hf import TOP_LEVEL
 from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, Sums, TensorEntry
 from omnickpt.format import checksum, dtype_from_name, dtype_name
 from omnickpt.format.cast import CastLosses, keeps_dtype
@@ -124,7 +125,9 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
 
     `dst` must not exist or be an empty directory: a conversion never overwrites anything; nor may it
     lie inside `src` or a folder `src` references, or hold `src` (CheckpointError naming both).
-    `key` keeps only one state key's tensors (and its objects: with to="omnickpt"), e.g. "model";
+    `key` keeps only one state key's tensors (and its objects: with to="omnickpt"), e.g. "model"; with to="hf"
+    it is the entry exported as the model (never an optimizer's), "" or "." for the tensors saved at the top
+    level of the state (a flat model: omnickpt.save(path, {"layer.weight": t, ...}));
     `dtype` casts floating-point tensors, except an optimizer's step counts and other 0-dim state,
     which keep their saved dtype (format/cast.py keeps_dtype); `max_shard_size` (bytes or "5GB",
     "500MB") caps each data file (to="hf": default 5 GB; to="omnickpt": default 1 GiB, and the memory
@@ -155,6 +158,8 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     source = read_manifest(storage_for(str(src)))
     _refuse_in_bases(str(src), str(dst), source)
     if to == "hf":
+        # "." is the command line's spelling of the top-level tensors (key ""), which a shell makes awkward
+        key = TOP_LEVEL if key == "." else key
         result, lossy = _convert_hf(str(src), str(dst), source, key=key, dtype=cast, size=size,
                                     transforms=transforms, progress=progress, workers=workers,
                                     allow_lossy_cast=allow_lossy_cast)

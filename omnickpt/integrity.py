@@ -151,9 +151,7 @@ def _notes(manifest: Manifest) -> list[str]:
             f"format version {manifest.version}: one checksum per box, not per chunk, so a load that reads part of a "
             "box (any resharded load) must read the whole box to verify it; saving the state again writes "
             "version 2")
-    if manifest.compression:
-        notes.append(f"tensor data compressed with {manifest.compression}: each chunk's checksum covers its "
-                     "stored (compressed) bytes, checked without decompressing")
+    notes += _encoding_notes(manifest)
     elsewhere = sorted({f.path.split("/")[1] for f in manifest.files if f.path.startswith("../")})
     if manifest.block_bytes:
         notes.append(f"incremental checkpoint (chain {manifest.chain}, base {manifest.base}): "
@@ -164,6 +162,29 @@ def _notes(manifest: Manifest) -> list[str]:
         notes.append(
             f"{unchecked} box(es) have no checksums (a {manifest.layout.get('format', 'foreign')} checkpoint: its "
             "format stores none): only the structure and the file sizes were checked, not the bytes")
+    return notes
+
+
+def _encoding_notes(manifest: Manifest) -> list[str]:
+    """What the chunks really are: quantized (lossy) tensors by scheme, and lossless compression when there is
+    any. Codec "none" is the chunked layout with every chunk stored raw (what a save with quantize_optimizer=
+    and no compression writes): no compression to speak of."""
+    notes = []
+    quantized = manifest.quantized or {}
+    if quantized:
+        schemes = ", ".join(sorted({str(r.get("scheme")) for r in quantized.values()}))
+        worst = max(float(r.get("max_error", 0.0)) for r in quantized.values())
+        first = next(iter(quantized))
+        # save(quantize_optimizer=) quantizes only an optimizer's moments, named "<key>/state/<param>/<moment>"
+        what = "optimizer moment tensor(s)" if all("/state/" in n for n in quantized) else "tensor(s)"
+        notes.append(f"{len(quantized)} {what} stored quantized ({schemes}; lossy, largest recorded error "
+                     f"{worst:.3g}), e.g. {first!r}: each chunk's checksum covers its stored (quantized) bytes, "
+                     "checked without dequantizing; the other tensors are stored "
+                     + (f"compressed with {manifest.compression}" if manifest.compression not in (None, "none")
+                        else "raw (no compression)"))
+    elif manifest.compression and manifest.compression != "none":
+        notes.append(f"tensor data compressed with {manifest.compression}: each chunk's checksum covers its "
+                     "stored (compressed) bytes, checked without decompressing")
     return notes
 
 

@@ -3,7 +3,7 @@
     omnickpt inspect PATH [--json] [--boxes] [--filter GLOB]... [--tree] [--no-values]
                                                 what the checkpoint holds (manifest and object values)
     omnickpt verify PATH [--json] [--workers N] completeness and every checksum; exit 1 on a problem
-    omnickpt diff A B [--atol X] [--rtol Y] [--all] [--json]
+    omnickpt diff A B [--atol X] [--rtol Y] [--include GLOB]... [--exclude GLOB]... [--all] [--json]
                                                 what differs between two checkpoints; exit 1 when they differ
     omnickpt convert SRC DST --to hf|dcp|omnickpt [--key K] [--dtype D [--allow-lossy-cast]] [--max-shard-size S]
                      [--transform T]...         write a checkpoint in another format (never over existing files,
@@ -54,6 +54,20 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dtype(text: str) -> str:
+    """A floating-point dtype as the command line spells it: a torch name (bfloat16, float16, float32) or a
+    usual short one (bf16, fp16, half, fp32, float): the spellings omnickpt.reader.as_dtype takes."""
+    from omnickpt.reader import as_dtype
+    try:
+        dtype = as_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"{text!r} is {dtype}, not a floating-point dtype; use bfloat16 (bf16), "
+                                         "float16 (fp16, half) or float32 (fp32, float)")
+    return str(dtype).removeprefix("torch.")
+
+
 def _transform(text: str):
     from omnickpt.convert import parse_transform
     try:
@@ -99,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     dif.add_argument("b", metavar="B", help="second checkpoint (the reference of relative differences)")
     dif.add_argument("--atol", type=_non_negative, default=0.0, metavar="X", help="absolute tolerance (default 0)")
     dif.add_argument("--rtol", type=_non_negative, default=0.0, metavar="Y", help="relative tolerance (default 0)")
+    dif.add_argument("--include", action="append", default=[], metavar="GLOB",
+                     help="compare only what this pattern selects (repeatable: any may match), as load's include=: "
+                          "a state key ('model'), a name under it, or an fnmatch pattern ('model/layers.0.*')")
+    dif.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                     help="leave out what this pattern selects (repeatable), e.g. 'optimizer' against a Hugging Face "
+                          "export, which holds the model only")
     dif.add_argument("--all", action="store_true", help="list identical tensors and objects too")
     dif.add_argument("--json", action="store_true", help="print the comparison as JSON")
     dif.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
@@ -112,9 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     con.add_argument("src", metavar="SRC", help="the checkpoint to convert")
     con.add_argument("dst", metavar="DST", help="where to write it (must not exist, or be empty)")
     con.add_argument("--to", required=True, choices=("hf", "dcp", "omnickpt"), help="the format to write")
-    con.add_argument("--key", metavar="KEY", help="only this state key's tensors (hf: the module to export, "
-                                                  "default: the only one, or 'model')")
-    con.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="cast floating-point tensors")
+    con.add_argument("--key", metavar="KEY",
+                     help="only this state key's tensors (hf: the entry exported as the model, never an optimizer's; "
+                          "default: the only entry holding a model's tensors, else 'model'; '.' for the tensors "
+                          "saved at the top level of the state, a flat model {'layer.weight': ...})")
+    con.add_argument("--dtype", type=_dtype, metavar="DTYPE",
+                     help="cast floating-point tensors: bfloat16 (bf16), float16 (fp16, half), float32 (fp32, "
+                          "float), float64 (fp64, double)")
     con.add_argument("--allow-lossy-cast", action="store_true",
                      help="with --dtype: cast even where finite values become inf or non-zero values become 0 "
                           "(refused by default, naming the tensor); the result lists the counts per tensor")
@@ -182,7 +206,12 @@ def _inspect(args) -> int:
 def _diff(args) -> int:
     from omnickpt.cli.diff import format_text
     from omnickpt.compare import diff
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
+    if "" in args.include + args.exclude:
+        print("omnickpt diff: --include and --exclude take a non-empty pattern, e.g. 'model' or 'optim/*'",
+              file=sys.stderr)
+        return 2
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args),
+                  include=args.include, exclude=args.exclude)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_text(report, show_all=args.all))
     return 1 if report.differs else 0
 

@@ -13,6 +13,9 @@ def format_text(report: DiffReport, *, show_all: bool = False) -> str:
     """The human-readable `diff` output: counts, then a table of the tensors and objects that
     are not identical (all of them with `show_all`), then the verdict."""
     lines = [f"A {report.a}", f"B {report.b}"]
+    if report.include or report.exclude:
+        lines.append("compared: " + "; ".join(f"{what} {', '.join(pats)}" for what, pats in
+                                              (("include", report.include), ("exclude", report.exclude)) if pats))
 
     def counts(rows: list[dict]) -> str:
         c = report.counts(rows)

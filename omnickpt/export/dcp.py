@@ -54,7 +54,9 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     get_optimizer_state_dict(m, o)}; dcp.load(sd, checkpoint_id=dst); set_state_dict(m, o,
     model_state_dict=sd["model"], optim_state_dict=sd["optim"])`. Per-rank objects (a dataloader's
     positions, RNG states) are written as the lowest saving rank's value. A tensor saved at the top level
-    (a name with no "/") is the top-level key of that name, as `dcp.save({"w": t})` writes it.
+    (a name with no "/", or a plain value {"w": t}) is the top-level key of that name, as `dcp.save({"w": t})`
+    writes it; so is a model a DCP source held at its top level (read as "model", the reader's
+    layout["implied_keys"]): the state dict dcp.load accepted for the source accepts the export.
 
     Every entry is keyed exactly as `dcp.save` would key the same nested state dict (its flatten rules:
     the path joined with "."), so two entries whose paths join to the same key (`{"a.b": x}` beside
@@ -219,6 +221,9 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
     state: dict[str, Any] = {}
     owners: dict[tuple, str] = {}
     claimed: set[str] = set()
+    # A key the DCP reader chose for a checkpoint that had none (dcp.save(model.state_dict()) reads as "model"):
+    # written back at the top level, where dcp.load's state dict (the one that was saved) has those entries.
+    implied = set(manifest.layout.get("implied_keys") or ()) if _keeps_dcp_keys(manifest) else set()
 
     def slots(value: Any) -> Any:
         """`value` with every ShardRef (a DTensor stored as boxes) replaced by the tensor's slot."""
@@ -252,7 +257,10 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
         if rest:     # a per-object key (Megatron's ShardedObjects: "<state key>/<unique key>")
             place((top, rest), value, who)
             continue
-        if _is_optimizer_object(value):
+        if key in implied and isinstance(value, dict):   # a module's extra states, at the top level as saved
+            for k, v in value.items():
+                place((k,), v, who)
+        elif _is_optimizer_object(value):
             place((key,), {"state": {fqn: dict(v) for fqn, v in (value.get("state") or {}).items()},
                            "param_groups": value["param_groups"]}, who)
         elif isinstance(value, dict) and isinstance(state.get(key), dict):
@@ -270,6 +278,9 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
         if not rest:     # saved at the top level: DCP's key is the name itself (dcp.save({"w": t}) -> "w")
             place((name,), _TensorSlot(name), who)
             continue
+        if top in implied:
+            place((rest,), _TensorSlot(name), who)
+            continue
         node = state.get(top)
         if isinstance(node, dict) and "state" in node and "param_groups" in node and rest.startswith("state/"):
             fqn, _, k = rest[len("state/"):].rpartition("/")
@@ -277,6 +288,12 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
         else:
             place((top, rest), _TensorSlot(name), who)
     return state, owners
+
+
+def _keeps_dcp_keys(manifest: Manifest) -> bool:
+    """Whether the checkpoint is a plain DCP one, whose implied keys are the reader's own invention (a Megatron
+    torch_dist checkpoint's "model" and "optimizer" name its sharded state: they stay)."""
+    return manifest.layout.get("format") == "dcp" and "megatron" not in manifest.layout
 
 
 def _owner(owners: dict[tuple, str], path: tuple) -> str:

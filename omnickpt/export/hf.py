@@ -3,6 +3,7 @@ read through a CheckpointReader, tensor by tensor, and each tensor written at it
 folder's format (headers, index, config.json) is omnickpt.formats.hf's."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,10 +17,11 @@ from typing import Any, Sequence
 import torch
 
 from omnickpt.adapters.generic import parse_per_rank_name
-from omnickpt.errors import MismatchError, UnsupportedError
+from omnickpt.errors import MismatchError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
 from omnickpt.format import Manifest, TensorEntry, dtype_from_name
 from omnickpt.format.cast import CastLosses
+from omnickpt.format.objects import ShardRef
 from omnickpt.formats.hf import _NAMES, CONFIG_FILE, INDEX_FILE, INDEX_SUFFIX, SINGLE_FILE
 from omnickpt.layout import Box
 from omnickpt.planner import plan_reads
@@ -42,16 +44,20 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     `src` is anything omnickpt reads (an omnickpt checkpoint of any world size and layout, a Hugging
     Face folder, a DCP checkpoint); `transforms` rewrite its manifest first (e.g. Megatron names to
     Hugging Face ones). `key` defaults to the only state entry holding a model's tensors (not an optimizer's,
-    not a plain value's; TOP_LEVEL, "", for tensors saved at the top level of the state), else "model". An
-    optimizer's state is never exported as a model: asked for by `key` or the only entry with tensors, it is
-    refused (UnsupportedError naming it and the model entries there are). The tensors under `key/` are written
+    not a plain value's), else "model"; TOP_LEVEL, "", is the tensors saved at the top level of the state (a
+    flat model: `omnickpt.save(path, {"layer.weight": t, ...})`, whether its tensors are stored as boxes,
+    per rank, or, small ones, inside their objects). An optimizer's state (its adapter's class path, tensors
+    "state/<param>/<moment>", or a saved value holding param_groups, as a flattened optimizer state dict
+    does) is never exported as a model: asked for by `key` it is refused (UnsupportedError naming it and the
+    model entries there are), and it is never chosen by default. The tensors under `key/` are written
     under the rest of their names (the module's own parameter names) to `model.safetensors`, or, past
     `max_shard_size` bytes, to `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, with
     `__metadata__ = {"format": "pt"}`. `dtype` casts floating-point tensors (integer and bool ones keep
     theirs); with `losses` (format/cast.py) every cast goes through it: one that turns finite values into inf
     or non-zero values into 0 fails the export (UnsupportedError naming the tensor) unless `losses` allows it,
     and then is counted in `losses.counts`. config.json is written from the checkpoint's
-    `layout["metadata"]["config"]` when present (with its dtype updated on a cast). When that config ties the
+    `layout["metadata"]["config"]` when present (with its dtype updated on a cast; its "architectures" from the
+    metadata's "model_class" when the config has none, else left out, never null). When that config ties the
     word embeddings and `lm_head.weight` holds the same values as another tensor (same stored bytes, or equal
     chunk checksums), or two names point at the same stored bytes, the duplicate is written once, as
     `save_pretrained` does.
@@ -70,15 +76,18 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     dest = Destination(src, dst)
     with CheckpointReader(str(src), transforms=transforms, workers=workers) as reader:
         manifest = reader.manifest
-        key = _module_key(manifest, key, reader.location)
+        entries_found = _entries(manifest, _plain_values(reader))
+        key = _module_key(entries_found, key, reader.location)
         exported = _describe_entry(manifest, key)
-        log.info("omnickpt: exporting %s of %s to %s", exported, src, dst)
-        entries = {n: (full, manifest.tensors[full]) for n, full in _entry_tensors(manifest, key).items()}
+        log.info("omnickpt: exporting %s of %s to %s", exported, reader.location, dst)
+        chosen = _entry_tensors(entries_found, key)
+        inline = {n: v for n, v in chosen.items() if isinstance(v, torch.Tensor)}
+        entries = {n: (full, manifest.tensors[full]) for n, full in chosen.items() if n not in inline}
         config = _saved_config(manifest)
         dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
-        out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype)
+        out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype, inline)
         # Plan every read before writing anything: a tensor the checkpoint does not fully hold fails now.
-        plan_reads(manifest, [(full, Box.full(shape)) for _, full, _, _, shape in out])
+        plan_reads(manifest, [(full, Box.full(shape)) for name, full, _, _, shape in out if name not in inline])
         shards = _shard_plan([(name, math.prod(shape) * w.itemsize) for name, _, _, w, shape in out], max_shard_size)
         files = _shard_files(len(shards))
         # Only a model's files clash: a folder may hold a tokenizer beside the weights.
@@ -86,7 +95,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
                              why="stale shards beside new ones would be read as one model")
         total = sum(math.prod(o[4]) * o[3].itemsize for o in out)
         with dest:
-            _write_model(reader, dest, files, shards, out, workers, progress, total, losses, durable)
+            _write_model(reader, dest, files, shards, out, workers, progress, total, losses, durable, inline)
             if len(files) > 1:
                 _write_index(dest, files, shards, out, total, durable)
             if config is not None:
@@ -105,9 +114,33 @@ def _check_export_options(dtype: torch.dtype | None, max_shard_size: int) -> Non
 
 def _saved_config(manifest: Manifest) -> dict | None:
     """A copy of the model config the checkpoint holds (layout["metadata"]["config"]), None when it holds none:
-    a copy, because the export updates its dtype."""
-    config = (manifest.layout.get("metadata") or {}).get("config")
-    return dict(config) if isinstance(config, dict) else None
+    a copy, because the export updates its dtype. Its "architectures" are kept when the config has them;
+    a config without them (`model.config.to_dict()` of a model built with from_config has
+    "architectures": None, which some readers of config.json choke on) takes them from the metadata's
+    "architectures" (a list of class names) or "model_class" (a class name, "LlamaForCausalLM", or its dotted
+    path) when the save recorded one, and otherwise leaves the key out."""
+    metadata = manifest.layout.get("metadata") or {}
+    config = metadata.get("config") if isinstance(metadata, dict) else None
+    if not isinstance(config, dict):
+        return None
+    config = dict(config)
+    if not config.get("architectures"):
+        config.pop("architectures", None)
+        known = _recorded_architectures(metadata)
+        if known:
+            config["architectures"] = known
+    return config
+
+
+def _recorded_architectures(metadata: dict) -> list[str] | None:
+    """The model class names the save's metadata records beside its config, None when it records none."""
+    names = metadata.get("architectures")
+    if isinstance(names, list) and names and all(isinstance(n, str) and n for n in names):
+        return list(names)
+    cls = metadata.get("model_class")
+    if isinstance(cls, str) and cls.strip():
+        return [cls.strip().rsplit(".", 1)[-1]]
+    return None
 
 
 def _shard_files(count: int) -> list[str]:
@@ -134,24 +167,30 @@ def _write_config(dest: Destination, config: dict, dtype: torch.dtype | None, du
     _write_json(dest, CONFIG_FILE, config, durable)
 
 
-def _outputs(entries: dict[str, tuple[str, TensorEntry]], dtype: torch.dtype | None
+def _outputs(entries: dict[str, tuple[str, TensorEntry]], dtype: torch.dtype | None,
+             inline: dict[str, torch.Tensor] | None = None
              ) -> list[tuple[str, str, torch.dtype, torch.dtype, tuple[int, ...]]]:
-    """What each tensor becomes in the output: (its name there, its manifest name, stored dtype, written dtype,
-    shape). UnsupportedError for a dtype safetensors cannot store."""
+    """What each tensor becomes in the output: (its name there, its manifest name (for a small plain value held
+    in its object, `inline`, the object's key), stored dtype, written dtype, shape). UnsupportedError for a
+    dtype safetensors cannot store."""
+    found = [(name, full, dtype_from_name(entry.dtype), entry.shape) for name, (full, entry) in entries.items()]
+    found += [(name, name, t.dtype, tuple(t.shape)) for name, t in (inline or {}).items()]
     out = []
-    for name, (full, entry) in entries.items():
-        stored = dtype_from_name(entry.dtype)
+    for name, full, stored, shape in found:
         written = dtype if dtype is not None and stored.is_floating_point else stored
         if written not in _NAMES:
-            raise UnsupportedError(f"tensor {full!r} has dtype {entry.dtype}, which safetensors cannot store; "
-                                   "drop it with a transform (omnickpt.transforms.Drop) or pass dtype=")
-        out.append((name, full, stored, written, entry.shape))
+            raise UnsupportedError(f"tensor {full!r} has dtype {str(stored).removeprefix('torch.')}, which "
+                                   "safetensors cannot store; drop it with a transform (omnickpt.transforms.Drop) "
+                                   "or pass dtype=")
+        out.append((name, full, stored, written, tuple(shape)))
     return out
 
 
 def _write_model(reader: CheckpointReader, dest: Destination, files: list[str], shards: list[list[int]], out,
-                 workers: int, progress: bool, total: int, losses: CastLosses | None, durable: bool) -> None:
-    """Create each safetensors file at its full size with its header, then write every tensor at its offset."""
+                 workers: int, progress: bool, total: int, losses: CastLosses | None, durable: bool,
+                 inline: dict[str, torch.Tensor]) -> None:
+    """Create each safetensors file at its full size with its header, then write every tensor at its offset
+    (those of `inline` from memory, the others read from the checkpoint)."""
     layouts = [_file_layout([out[i] for i in shard]) for shard in shards]
     fds: list[int] = []
     try:
@@ -164,7 +203,7 @@ def _write_model(reader: CheckpointReader, dest: Destination, files: list[str], 
             _pwrite_all(fd, memoryview(header), 0, path)
         tasks = [(fds[k], dest.file(files[k]), len(header) + offset, shards[k][local])
                  for k, (header, _, offsets) in enumerate(layouts) for local, offset in offsets.items()]
-        _write_tensors(reader, out, tasks, workers, progress, total, losses)
+        _write_tensors(reader, out, tasks, workers, progress, total, losses, inline)
         for fd, fname in zip(fds, files) if durable else ():
             _os_call("syncing", dest.file(fname), os.fsync, fd)
     finally:
@@ -187,6 +226,9 @@ class _Entries:
     optimizers: dict[str, str]     # entry holding an optimizer's state: why, in words
     values: list[str]              # entries holding plain values' tensors, saved per rank
     modules: list[str]             # the rest: a model's
+    # TOP_LEVEL's tensors saved as plain values ({"w": t} beside the others): {key: the stored tensor's name
+    # (a large one, saved per rank), or the tensor itself (a small one, inside its object)}
+    plain: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def shown(self) -> str:
@@ -194,37 +236,72 @@ class _Entries:
         return ", ".join(_entry_label(k) for k in sorted(self.by_key)) or "none"
 
 
-def _module_key(manifest: Manifest, key: str | None, where: str) -> str:
+def _plain_values(reader: CheckpointReader) -> dict[str, Any]:
+    """The decoded values of the checkpoint's top-level objects that are a tensor or hold an optimizer's
+    param groups ({key: tensor, ShardRef, or the dict}): tensors saved as plain values at the top level of the
+    state (omnickpt.save(path, {"layer.weight": t, ...}) stores a small one inside its object, a large one as
+    a tensor of its own that the object refers to), and what says an entry is an optimizer's. A value saved
+    with pickle is never unpickled here: it is left out."""
+    out: dict[str, Any] = {}
+    for key in reader.object_keys():
+        if "/" in key:
+            continue   # a per-object key ("<state key>/<unique key>"): part of an entry, never one
+        try:
+            value = reader.objects([key])[key]
+        except UnsafeCheckpointError:
+            continue
+        if isinstance(value, (torch.Tensor, ShardRef)) or _holds_param_groups(value):
+            out[key] = value
+    return out
+
+
+def _holds_param_groups(value: Any) -> bool:
+    """An optimizer's state dict: nested ({"state", "param_groups"}) or flattened by DCP's
+    flatten_optimizer_state_dict (torchtitan's OptimizersContainer: "param_groups.<fqn>.lr", ...)."""
+    return isinstance(value, dict) and any(isinstance(k, str) and (k == "param_groups" or k.startswith("param_groups."))
+                                           for k in value)
+
+
+def _module_key(entries: _Entries, key: str | None, where: str) -> str:
     """The state entry whose tensors export_hf writes: `key` when given, else the only entry holding a model's
     tensors, else "model" (TOP_LEVEL for tensors saved at the top level of the state). An entry holding an
     optimizer's state is refused either way (UnsupportedError): its moments are no model's weights, and
     writing them under the parameters' names makes a folder that loads without complaint."""
-    entries = _entries(manifest)
     if key is not None:
         _check_chosen_key(entries, key, where)
         return key
     return _inferred_key(entries, where)
 
 
-def _entries(manifest: Manifest) -> _Entries:
-    """The manifest's state entries with tensors, sorted into optimizers', plain values' and modules'."""
+def _entries(manifest: Manifest, values: dict[str, Any]) -> _Entries:
+    """The manifest's state entries with tensors, sorted into optimizers', plain values' and modules'; `values`
+    are _plain_values' (top-level tensors saved as plain values join TOP_LEVEL)."""
+    plain = {k: (v.name if isinstance(v, ShardRef) else v) for k, v in values.items()
+             if isinstance(v, torch.Tensor) or isinstance(v, ShardRef) and v.name in manifest.tensors}
+    referred = {v for v in plain.values() if isinstance(v, str)}
     by_key: dict[str, list[str]] = {}
     for name in manifest.tensors:
+        if name in referred:
+            continue   # listed under TOP_LEVEL by its value's key
         top, sep, _ = name.partition("/")
         by_key.setdefault(top if sep else TOP_LEVEL, []).append(name)
-    optimizers = {k: kind for k, names in by_key.items() if (kind := _optimizer_kind(manifest, k, names))}
+    if plain:
+        by_key.setdefault(TOP_LEVEL, []).extend(plain)
+    optimizers = {k: kind for k, names in by_key.items()
+                  if (kind := _optimizer_kind(manifest, k, names, values.get(k) if k else None))}
     # Tensors of plain values saved per rank ("extra/buf/@rank0"): no module's either.
-    values = sorted(k for k, names in by_key.items()
-                    if k not in optimizers and all(parse_per_rank_name(n) is not None for n in names))
-    modules = [k for k in sorted(by_key) if k not in optimizers and k not in values]
-    return _Entries(by_key, optimizers, values, modules)
+    values_keys = sorted(k for k, names in by_key.items()
+                         if k not in optimizers and all(parse_per_rank_name(n) is not None for n in names))
+    modules = [k for k in sorted(by_key) if k not in optimizers and k not in values_keys]
+    return _Entries(by_key, optimizers, values_keys, modules, plain)
 
 
 def _check_chosen_key(entries: _Entries, key: str, where: str) -> None:
     """MismatchError when the caller's `key` holds no tensors; UnsupportedError when it holds an optimizer's state."""
     if key not in entries.by_key:
         raise MismatchError(f"{where} holds no tensors under {key!r} (state entries with tensors: {entries.shown}); "
-                            "pass key= one of them", [f"{key}: missing"])
+                            f"pass key= one of them{_TOP_LEVEL_HINT if TOP_LEVEL in entries.by_key else ''}",
+                            [f"{key}: missing"])
     if key in entries.optimizers:
         raise UnsupportedError(
             f"{where}: {_entry_label(key)} holds an optimizer's state ({entries.optimizers[key]}; tensors such as "
@@ -233,13 +310,22 @@ def _check_chosen_key(entries: _Entries, key: str, where: str) -> None:
             "to keep optimizer state, convert to omnickpt or dcp instead")
 
 
+# How a caller names TOP_LEVEL, for messages: the library's key and the command line's spelling.
+_TOP_LEVEL_HINT = " (the top-level tensors: key='', on the command line --key .)"
+
+
 def _inferred_key(entries: _Entries, where: str) -> str:
-    """The model's entry when the caller named none: the only one, else "model"; an error saying why not."""
+    """The model's entry when the caller named none: the only one, else "model"; an error saying why not.
+    Tensors saved as plain values at the top level (an RNG state beside {"net": model}) are the model only
+    when no entry holds stored tensors of a model (a flat model saved as plain tensors)."""
     modules = entries.modules
-    if len(modules) == 1:
-        return modules[0]
-    if "model" in modules:
+    stored = [k for k in modules if k != TOP_LEVEL or any(n not in entries.plain for n in entries.by_key[k])]
+    if len(stored) == 1:
+        return stored[0]
+    if "model" in stored:
         return "model"
+    if modules == [TOP_LEVEL]:
+        return TOP_LEVEL
     if not modules and entries.by_key:
         held = "; ".join([f"{_entry_label(k)} holds an optimizer's state ({kind})"
                           for k, kind in entries.optimizers.items()]
@@ -249,11 +335,13 @@ def _inferred_key(entries: _Entries, where: str) -> str:
             "model only. Save the model under a key of its own (omnickpt.save(path, {'model': model, ...})) and "
             "export that, or pass key= to export a plain value's tensors on purpose")
     raise MismatchError(f"{where}: which state entry is the model is ambiguous (entries with tensors: "
-                        f"{entries.shown}); pass key=", [f"{k}: candidate" for k in modules])
+                        f"{entries.shown}); pass key={_TOP_LEVEL_HINT if TOP_LEVEL in modules else ''}",
+                        [f"{_entry_label(k)}: candidate" for k in modules])
 
 
-def _optimizer_kind(manifest: Manifest, key: str, names: list[str]) -> str | None:
-    """Why the tensors `names` under `key` are an optimizer's state, in words, or None when they are not."""
+def _optimizer_kind(manifest: Manifest, key: str, names: list[str], value: Any = None) -> str | None:
+    """Why the tensors `names` under `key` are an optimizer's state, in words, or None when they are not.
+    `value` is the entry's decoded object, when it has one."""
     framework = str((manifest.layout.get("frameworks") or {}).get(key) or "")
     if "." in framework:    # omnickpt's optimizer adapter records its class path, 'torch.optim.adam.Adam'
         return framework
@@ -261,6 +349,10 @@ def _optimizer_kind(manifest: Manifest, key: str, names: list[str]) -> str | Non
     # "<key>/state/<parameter>/<exp_avg|exp_avg_sq|step|...>"; a module's tensor is "<key>/<fqn>".
     if key and all(n.startswith(f"{key}/state/") and n.count("/") >= 3 for n in names):
         return "tensors state/<parameter>/<moment>"
+    # An optimizer's state dict saved as a plain value (a flattened one, "state.<fqn>.exp_avg", as torchtitan's
+    # OptimizersContainer gives it): its param groups say what it is.
+    if key and _holds_param_groups(value):
+        return "a state dict with param_groups"
     return None
 
 
@@ -268,12 +360,14 @@ def _entry_label(key: str) -> str:
     return "the top-level tensors" if key == TOP_LEVEL else repr(key)
 
 
-def _entry_tensors(manifest: Manifest, key: str) -> dict[str, str]:
-    """{name in the exported folder: manifest tensor name} of the entry `key`."""
+def _entry_tensors(entries: _Entries, key: str) -> dict[str, Any]:
+    """{name in the exported folder: manifest tensor name, or the tensor itself (a small plain value)} of the
+    entry `key`."""
     if key == TOP_LEVEL:
-        return {n: n for n in manifest.tensors if "/" not in n}
+        out: dict[str, Any] = {n: n for n in entries.by_key.get(TOP_LEVEL, ()) if n not in entries.plain}
+        return out | entries.plain
     prefix = f"{key}/"
-    return {n[len(prefix):]: n for n in manifest.tensors if n.startswith(prefix)}
+    return {n[len(prefix):]: n for n in entries.by_key.get(key, ())}
 
 
 def _describe_entry(manifest: Manifest, key: str) -> str:
@@ -356,7 +450,7 @@ def _file_layout(tensors: Sequence[tuple[str, str, torch.dtype, torch.dtype, tup
 
 
 def _write_tensors(reader: CheckpointReader, out, tasks, workers: int, progress: bool, total: int,
-                   losses: CastLosses | None = None) -> None:
+                   losses: CastLosses | None = None, inline: dict[str, torch.Tensor] | None = None) -> None:
     """Read (through `reader`: verified against the checkpoint's checksums where it has them), cast (through
     `losses` when given) and pwrite every tensor; at most about the largest tensor's bytes are in flight. The
     first failure cancels the tensors not yet started and is raised."""
@@ -372,9 +466,12 @@ def _write_tensors(reader: CheckpointReader, out, tasks, workers: int, progress:
             gate.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + sizes[i] <= budget)
             in_flight[0] += sizes[i]
         try:
-            t = torch.empty(shape, dtype=stored)
-            if t.numel():
-                reader.read_into([(full, Box.full(shape))], [t])
+            if inline and name in inline:
+                t = inline[name].detach().contiguous()
+            else:
+                t = torch.empty(shape, dtype=stored)
+                if t.numel():
+                    reader.read_into([(full, Box.full(shape))], [t])
             if written != stored:
                 # checked here, in the one read the export makes, not by a second pass over the source
                 t = losses.cast(t, written, full) if losses is not None else t.to(written)
