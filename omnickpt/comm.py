@@ -5,10 +5,9 @@ tests can prove that a cached plan skips the planning exchange.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -127,21 +126,18 @@ class Comm:
         return [g[1] for g in gathered]
 
     def run_step(self, step: str, local: Callable[[], Any], *,
-                 on_failure: Callable[[BaseException], None] | None = None,
-                 timed: Callable[[], ContextManager] = contextlib.nullcontext) -> list[Any]:
-        """Every rank: run the local step `local`, then settle its outcome (one all-gather, inside
-        `timed()`, e.g. a timer's phase): every rank's return value, in rank order. When any rank
-        failed, `on_failure(error)` undoes this rank's part first and the failure is raised on
-        every rank, so call sites carry no try/except/settle of their own (the shape of DCP's
-        _DistWrapper.all_gather(step, map_fun))."""
+                 on_failure: Callable[[BaseException], None] | None = None) -> list[Any]:
+        """Every rank: run the local step `local`, then settle its outcome (one all-gather): every
+        rank's return value, in rank order. When any rank failed, `on_failure(error)` undoes this
+        rank's part first and the failure is raised on every rank, so call sites carry no
+        try/except/settle of their own (the shape of DCP's _DistWrapper.all_gather(step, map_fun))."""
         error, value = None, None
         try:
             value = local()
         except Exception as e:   # every rank must learn of it, or the others hang in the exchange
             error = e
         try:
-            with timed():
-                return self.settle(step, error, value)
+            return self.settle(step, error, value)
         except BaseException as e:
             if on_failure is not None:
                 on_failure(e)
