@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from omnickpt.adapters import collect_load
+from omnickpt.adapters import ADAPTERS, as_registry, collect_load
 from omnickpt.comm import Comm
 from omnickpt.engine import read_objects
 from omnickpt.engine.load import check_file_sizes, forward_replicas, land_tensors
 from omnickpt.engine.staging import gc_paused
 from omnickpt.errors import MismatchError
 from omnickpt.format import MANIFEST_NAME, Manifest
-from omnickpt.formats import bind_keys, read_manifest
+from omnickpt.formats import NAMES, bind_keys, read_manifest
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
 from omnickpt.planner import plan_reads
@@ -51,9 +51,18 @@ class LoadOptions:
     cast: bool = False
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
+    # The adapter registry the state goes through (omnickpt.adapters.ADAPTERS when None).
+    adapters: Sequence[Any] | None = dataclasses.field(default=None, compare=False)
+    # How a foreign folder is named: "adapters" (as omnickpt's adapters name modules and optimizers),
+    # or "as_saved" (the foreign library's own keys: a DCP folder as dcp.load sees it; omnickpt.dcp).
+    names: str = "adapters"
 
     def __post_init__(self) -> None:
         self.selection   # include= and exclude= are glob patterns: a TypeError names a bad one now
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", as_registry(self.adapters))
+        if self.names not in NAMES:
+            raise ValueError(f"names={self.names!r}: expected one of {', '.join(NAMES)}")
 
     @classmethod
     def of(cls, options: LoadOptions | None, keywords: Mapping[str, Any]) -> LoadOptions:
@@ -96,7 +105,7 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
 
     def plan() -> tuple:
         with job.timer.phase("plan"):
-            _plan_load(job, comm, o.transforms, o.selection, o.cast, o.strict)
+            _plan_load(job, comm, o)
         if not (o.strict and job.differences):
             _check_objects(job, comm, o.allow_pickle, o.strict)
         wants = [(item_key(it), it.nbytes) for it in job.items] if dedup else []
@@ -148,24 +157,24 @@ class _Reading:
 
 
 @gc_paused()
-def _plan_load(job: _LoadJob, comm: Comm, transforms: Sequence[Any], select: Selection, cast: bool,
-               strict: bool) -> None:
+def _plan_load(job: _LoadJob, comm: Comm, o: LoadOptions) -> None:
     """Every rank, no collective: read the manifest, prepare and match the targets, plan the
     reads and check that the files hold the bytes planned."""
-    manifest = _bind_foreign(read_manifest(job.storage, job.raw_manifest), job.state)
+    select = o.selection
+    manifest = _bind_foreign(read_manifest(job.storage, job.raw_manifest, o.names), job.state)
     # An incremental checkpoint's unchanged blocks lie in files of checkpoints next to it.
     job.storage = with_siblings(job.storage, job.path, manifest.files)
-    for transform in transforms:   # rewrite the manifest into the target's naming and fusing (pure)
+    for transform in o.transforms:   # rewrite the manifest into the target's naming and fusing (pure)
         manifest = transform.apply(manifest)
     job.manifest = manifest
-    job.targets = [(k, t) for k, t in collect_load(job.state) if select.entry(k)]
+    job.targets = [(k, t) for k, t in collect_load(job.state, o.adapters or ADAPTERS) if select.entry(k)]
     for _, t in job.targets:
         if t.prepare is not None:
             job.differences += t.prepare(manifest) or []
-    job.match = match_targets(manifest, job.targets, select, cast=cast)
+    job.match = match_targets(manifest, job.targets, select, cast=o.cast)
     job.differences += job.match.differences
     job.unexpected = job.match.unexpected
-    if strict and job.differences:
+    if o.strict and job.differences:
         return   # the load fails at the exchange, listing them: plan nothing
     job.items = plan_reads(manifest, job.match.wanted)
     # Sizes first: a truncated file fails the load before anything is read.

@@ -16,7 +16,7 @@ import torch
 
 from omnickpt import commit
 from omnickpt.version import __version__
-from omnickpt.adapters import collect_save
+from omnickpt.adapters import ADAPTERS, as_registry, collect_save
 from omnickpt.chain import choose_base, incremental_job
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, build_manifest, collect_garbage, persist, snapshot
@@ -62,8 +62,13 @@ class SaveOptions:
     full_every: int | None = None
     block_bytes: int | None = None
     quantize_optimizer: str | None = None
+    # The adapter registry the state goes through (omnickpt.adapters.ADAPTERS when None); omnickpt.dcp
+    # passes (GenericAdapter(replicated=True),) to save a state dict as DCP would.
+    adapters: Sequence[Any] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", as_registry(self.adapters))
         check_codec(self.compression)
         if self.snapshot not in (None, "lazy", "eager"):
             raise ValueError(f"snapshot={self.snapshot!r}: expected 'lazy' (the default of async saves) or 'eager'")
@@ -506,7 +511,7 @@ def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions) -
     role, metadata, check_replicas = options.role, options.metadata, options.check_replicas
     out = _Collected()
     with timer.phase("plan"):
-        collected = collect_save(state)
+        collected = collect_save(state, options.adapters or ADAPTERS)
         # Empty local boxes (uneven shards) plan nothing; a tensor with no elements at all keeps
         # its one empty box, so that the manifest records it and a strict load finds it.
         out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]

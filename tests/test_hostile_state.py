@@ -392,11 +392,21 @@ def test_a_state_dict_saved_and_loaded_into_a_module_is_named_as_such(tmp_path):
     assert _same(target, before)
 
 
-def test_a_module_saved_and_loaded_into_a_dict_is_named_as_such(tmp_path):
+def test_a_module_saved_and_loaded_into_a_dict_of_its_tensors_fills_them(tmp_path):
+    # A module's tensors are named by their place ("model/0.weight"), so a flat dict of named tensors
+    # (model.state_dict(), get_model_state_dict) loads them in place (issue 19: DCP-shaped state dicts).
     ckpt = str(tmp_path / "ckpt")
     omnickpt.save(ckpt, {"model": _model(1)}).wait()
     target = _model(7)
-    state = {"model": target.state_dict()}
+    omnickpt.load(ckpt, {"model": target.state_dict()})
+    assert _same(target, _values(_model(1)))
+
+
+def test_a_module_saved_and_loaded_into_a_dict_of_other_names_is_named_as_such(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    omnickpt.save(ckpt, {"model": _model(1)}).wait()
+    target = _model(7)
+    state = {"model": {f"other.{k}": v for k, v in target.state_dict().items()}}
     with pytest.raises(MismatchError, match=r"state entry 'model' was saved as a module \(plain\), 4 tensor\(s\) "
                                             r"such as .* but the target is a dict of 4 entries"):
         omnickpt.load(ckpt, state)

@@ -48,26 +48,31 @@ class GenericAdapter(Adapter):
 
     `min_tensor_bytes`: plain tensors inside a value at least this large are saved as per-rank
     tensors, smaller ones inline in the value's object (0: every tensor; a huge number: none).
+    `replicated=True` (DCP's rule, what omnickpt.dcp saves with): every plain tensor is taken to be
+    the same on every rank and saved once, as a tensor named by its key path ("model/fc.weight"),
+    like a replica; `min_tensor_bytes` does not apply then.
     Loading needs no setting: it follows what the checkpoint holds."""
     name = "generic"
 
-    def __init__(self, min_tensor_bytes: int = MIN_TENSOR_BYTES):
+    def __init__(self, min_tensor_bytes: int = MIN_TENSOR_BYTES, *, replicated: bool = False):
         if isinstance(min_tensor_bytes, bool) or not isinstance(min_tensor_bytes, int) or min_tensor_bytes < 0:
             raise ValueError(f"min_tensor_bytes must be a non-negative integer number of bytes, got "
                              f"{min_tensor_bytes!r}")
         self.min_tensor_bytes = min_tensor_bytes
+        self.replicated = bool(replicated)
 
     def claims(self, value: Any, state: dict) -> bool:
         return True
 
     def save_items(self, key: str, value: Any, state: dict) -> SaveItems:
-        return save_value(key, value, self.min_tensor_bytes)
+        return save_value(key, value, self.min_tensor_bytes, replicated=self.replicated)
 
     def load_target(self, key: str, value: Any, state: dict) -> LoadTarget:
         return load_value(key, value, state)
 
     def __repr__(self) -> str:
-        return f"GenericAdapter(min_tensor_bytes={self.min_tensor_bytes})"
+        extra = ", replicated=True" if self.replicated else ""
+        return f"GenericAdapter(min_tensor_bytes={self.min_tensor_bytes}{extra})"
 
 
 def is_stateful(value: Any) -> bool:
@@ -94,17 +99,26 @@ def parse_per_rank_name(name: str) -> tuple[str, int] | None:
     return path, int(rank)
 
 
-def save_value(key: str, value: Any, min_tensor_bytes: int = MIN_TENSOR_BYTES) -> SaveItems:
+def save_value(key: str, value: Any, min_tensor_bytes: int = MIN_TENSOR_BYTES, *, replicated: bool = False
+               ) -> SaveItems:
     items = SaveItems()
     if is_dtensor(value):
         # A DTensor or ShardSpec entry is its own box: no object (10^5 ShardSpec entries are common).
         items.shards.extend(dtensor_shards(key, value))
         return items
+    if replicated and isinstance(value, torch.Tensor) and tensor_problem(value) is None:
+        # A plain tensor at the top level (dcp.save({"w": t})): a box of its own, like a DTensor entry.
+        items.shards.append(full_shard(key, value.detach()))
+        return items
     raw = value.state_dict() if is_stateful(value) else value
 
     def large(path: str, t: torch.Tensor) -> str | None:
         # A tensor the format cannot store stays in the value, whose encoding refuses it by path.
-        if tensor_problem(t) is not None or t.nbytes < min_tensor_bytes:
+        if tensor_problem(t) is not None:
+            return None
+        if replicated:
+            return path     # one tensor for all ranks, named by its place: the planner saves it once
+        if t.nbytes < min_tensor_bytes:
             return None
         return per_rank_name(path, process_rank())   # asked only here: it costs microseconds per entry
 
@@ -130,12 +144,17 @@ def load_value(key: str, value: Any, state: dict) -> LoadTarget:
     def prepare(manifest) -> list[str] | None:
         if key in manifest.objects:
             _per_rank_destinations(key, manifest, plain, target, read)
+            _placed_destinations(key, manifest, plain, dtensors, target, read, allocate=True)
             return None
-        # A plain value is stored as one object. When there is none but there are tensors under
-        # `key/`, the entry was saved from a module or an optimizer: say so, instead of listing
-        # its tensors as unexpected and the value as missing.
-        if dtensors:
+        # A plain value is stored as one object. With none, a dict of tensors loads the tensors
+        # named by their places (`model/fc.weight`: a Hugging Face folder, a module's or an
+        # optimizer's tensors read into a flat dict, DCP's state dicts).
+        if _placed_destinations(key, manifest, plain, dtensors, target, read, allocate=False) or dtensors:
+            target.objects.remove(key)
             return None
+        # When there are tensors under `key/` that no place of the target names, the entry was
+        # saved from a module or an optimizer: say so, instead of listing its tensors as
+        # unexpected and the value as missing.
         prefix = f"{key}{SEP}"
         saved = [name for name in manifest.tensors if name.startswith(prefix)]
         if not saved:
@@ -218,6 +237,31 @@ def _per_rank_destinations(key: str, manifest, plain: dict[str, torch.Tensor], t
             # Another shape or dtype in the target is a difference the matching reports (or casts).
             target.shards.append(full_shard(name, dest.detach()))
             read[name] = dest
+
+
+def _placed_destinations(key: str, manifest, plain: dict[str, torch.Tensor], dtensors: dict[str, Any],
+                         target: LoadTarget, read: dict[str, torch.Tensor], allocate: bool) -> bool:
+    """Destinations of the checkpoint's tensors named by their place in entry `key` (not per-rank,
+    not a DTensor of the target): each read whole into the target's plain tensor at that place, or,
+    with `allocate` (the saved value refers to it), into a new tensor installed in its place.
+    Returns whether any was found."""
+    found = False
+    prefix = f"{key}{SEP}"
+    for name, entry in manifest.tensors.items():
+        if name in dtensors or name in read or not (name == key or name.startswith(prefix)):
+            continue
+        if parse_per_rank_name(name) is not None:
+            continue
+        dest = plain.get(name)
+        if dest is None:
+            if not allocate:
+                continue
+            dest = _allocate(name, entry)
+        # Another shape or dtype in the target is a difference the matching reports (or casts).
+        target.shards.append(full_shard(name, dest.detach()))
+        read[name] = dest
+        found = True
+    return found
 
 
 def _allocate(name: str, entry) -> torch.Tensor:

@@ -32,6 +32,9 @@ class ForeignReader:
     name: str                                          # layout["format"] of what it reads
     read: Callable[[Storage], Manifest | None] | None
     missing: str = ""
+    # The folder under the foreign library's own keys (names="as_saved"), where they differ from what
+    # omnickpt's adapters name (DCP's); None: the same view as `read`.
+    as_saved: Callable[[Storage], Manifest | None] | None = None
 
 
 def _unavailable(name: str, err: ImportError) -> ForeignReader:
@@ -46,19 +49,26 @@ except ImportError as e:   # an optional dependency missing: named in the "not a
     _HF = _unavailable("hf", e)
 try:
     from omnickpt.formats import dcp as _dcp
-    _DCP = ForeignReader("dcp", _dcp.read_manifest)
+    _DCP = ForeignReader("dcp", _dcp.read_manifest, as_saved=lambda storage: _dcp.read_manifest(storage, "as_saved"))
 except ImportError as e:
     _DCP = _unavailable("dcp", e)
 READERS: tuple[ForeignReader, ...] = (_HF, _DCP)
 
 
-def read_foreign(storage: Storage) -> Manifest | None:
+NAMES = ("adapters", "as_saved")
+
+
+def read_foreign(storage: Storage, names: str = "adapters") -> Manifest | None:
     """The manifest of the foreign checkpoint at `storage`, or None when no reader recognises it.
-    `manifest.layout["format"]` names the format."""
+    `manifest.layout["format"]` names the format. `names="as_saved"`: under the foreign library's own
+    keys (a DCP folder as `dcp.load` sees it) rather than as omnickpt's adapters name them."""
+    if names not in NAMES:
+        raise ValueError(f"names={names!r}: expected one of {', '.join(NAMES)}")
     for reader in READERS:
         if reader.read is None:
             continue
-        manifest = reader.read(storage)
+        read = reader.as_saved if names == "as_saved" and reader.as_saved is not None else reader.read
+        manifest = read(storage)
         if manifest is not None:
             return manifest
     return None
@@ -79,14 +89,15 @@ def bind_keys(manifest: Manifest, state_keys: dict[str, str]) -> Manifest:
                                objects={rename(k): v for k, v in manifest.objects.items()})
 
 
-def read_manifest(storage: Storage, raw: bytes | None = None) -> Manifest:
+def read_manifest(storage: Storage, raw: bytes | None = None, names: str = "adapters") -> Manifest:
     """The committed manifest at `storage`, or NotCommittedError saying why there is none. `raw`:
-    its bytes, already read (a load reads them on one rank and shares them over the group)."""
+    its bytes, already read (a load reads them on one rank and shares them over the group).
+    `names`: the view of a foreign folder (read_foreign); our own checkpoints have one."""
     try:
         if raw is None:
             raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
-        foreign = read_foreign(storage)   # a Hugging Face or DCP folder reads as our manifest
+        foreign = read_foreign(storage, names)   # a Hugging Face or DCP folder reads as our manifest
         if foreign is not None:
             return foreign
         if not storage.exists(""):
@@ -132,4 +143,4 @@ def _step_hint(storage: Storage) -> str:
             f"them, e.g. {root}/{step_dir(steps[-1])}, or use CheckpointManager({root!r}).load_latest(state)")
 
 
-__all__ = ["READERS", "STEP_DIR", "ForeignReader", "bind_keys", "committed_steps", "read_foreign", "read_manifest"]
+__all__ = ["NAMES", "READERS", "STEP_DIR", "ForeignReader", "bind_keys", "committed_steps", "read_foreign", "read_manifest"]

@@ -9,7 +9,7 @@ import pickle
 from typing import Any, Callable
 
 from omnickpt.errors import CorruptCheckpointError, UnsupportedError
-from omnickpt.format import SavedBox, TensorEntry
+from omnickpt.format import SavedBox, ShardRef, TensorEntry
 from omnickpt.format.manifest import dtype_name, overlap_problem
 from omnickpt.formats.dcp.archive import _read_whole, _Windows
 from omnickpt.formats.dcp.metadata import _Chunk, _DcpTensor, _Parsed
@@ -162,6 +162,35 @@ def _entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: di
                 objects[key] = extra
         else:
             objects[key] = _nest([(s, leaf(f)) for s, f in members], key, where)
+    return tensors, objects
+
+
+def _as_saved_entries(paths: dict[str, tuple], parsed: _Parsed, located: dict, values: dict, index: dict[str, int],
+                      where: str) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """The DCP items under the keys DCP saved them with, as omnickpt's generic adapter saves a nested
+    value (what `omnickpt.dcp.load` reads, so that the state dict `dcp.load` accepts loads the folder):
+    each top-level entry one object, the nested value rebuilt with a ShardRef where each tensor is, the
+    tensor named by its path joined with "/" (`optimizer/state/fc.weight/exp_avg`); a tensor saved at
+    the top level is a tensor of that name with no object. Nothing is read here: tensors stay boxes."""
+    tensors: dict[str, TensorEntry] = {}
+    groups: dict[str, list[tuple[tuple, Any]]] = {}
+    for fqn, path in paths.items():
+        top = str(path[0])
+        if not top or "/" in top:
+            raise UnsupportedError(f"{where}: the DCP state dict has a top-level key {top!r}; omnickpt state keys "
+                                   "are non-empty and hold no '/'")
+        if fqn in parsed.tensors:
+            name = "/".join(str(p) for p in path)
+            if name in tensors:
+                raise UnsupportedError(f"{where}: DCP keys of two tensors both read as {name!r} (a key holding '/'); "
+                                       "load this checkpoint with omnickpt.load into modules, or with dcp.load")
+            t = parsed.tensors[fqn]
+            tensors[name] = TensorEntry(t.shape, dtype_name(t.dtype), _chunk_boxes(t, located[fqn], index))
+            if len(path) > 1:
+                groups.setdefault(top, []).append((tuple(path[1:]), ShardRef(name)))
+        else:
+            groups.setdefault(top, []).append((tuple(path[1:]), values[fqn]))
+    objects = {key: _nest(leaves, key, where) for key, leaves in groups.items()}
     return tensors, objects
 
 

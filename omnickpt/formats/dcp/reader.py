@@ -14,12 +14,12 @@ from omnickpt.storage.base import require_length
 from omnickpt.formats.dcp.archive import _WINDOW, _locate, _Windows
 from omnickpt.formats.dcp.metadata import (_DISTCP_FILE, MEGATRON_COMMON, MEGATRON_METADATA, METADATA_NAME, _Chunk,
                                            _parse_metadata, _Parsed, _unpickle_metadata)
-from omnickpt.formats.dcp.names import _entries, _megatron_entries, _paths, _top_keys
+from omnickpt.formats.dcp.names import _as_saved_entries, _entries, _megatron_entries, _paths, _top_keys
 from omnickpt.formats.dcp.unpickle import MAX_INLINE_BYTES, _Budget, _decode_value, _unzip_bounded
 
 
 # ---------------------------------------------------------------------- reading a folder
-def read_manifest(storage: Storage) -> Manifest | None:
+def read_manifest(storage: Storage, names: str = "adapters") -> Manifest | None:
     """The manifest of the PyTorch DCP checkpoint at `storage`, or None when it is not one (no
     `.metadata` there; a folder that does not exist is not one: one failed read decides).
 
@@ -38,7 +38,15 @@ def read_manifest(storage: Storage) -> Manifest | None:
     truncated data file, or an item that is not what the metadata says; UnsupportedError for what
     omnickpt cannot map (stream transforms such as compression, safetensors-serialised items,
     non-row-major or big-endian tensors, dtypes the omnickpt format lacks).
+
+    `names="as_saved"` keeps DCP's own keys instead (what omnickpt.dcp.load reads): every top-level
+    entry of the saved state dict is one object, its nested value with a ShardRef where each tensor is,
+    each tensor named by its path (`names.py` `_as_saved_entries`); a Megatron torch_dist checkpoint is
+    read as Megatron's adapter names it either way. `layout["names"]` says which view was read.
     """
+    if names not in ("adapters", "as_saved"):
+        raise ValueError(f"names={names!r}: expected 'adapters' (omnickpt's adapters' names) or 'as_saved' "
+                         "(DCP's own keys)")
     try:
         raw = storage.read_bytes(METADATA_NAME)
     except FileNotFoundError:
@@ -48,10 +56,13 @@ def read_manifest(storage: Storage) -> Manifest | None:
     megatron = _megatron_info(storage)
     files, index = _files(storage, parsed)
     _check_value_bytes(parsed, storage)
-    tensors, objects = _read_entries(storage, parsed, megatron, index)
+    as_saved = names == "as_saved" and megatron is None
+    tensors, objects = _read_entries(storage, parsed, megatron, index, as_saved)
     world = 1 + max((f.rank for f in files), default=0)
     layout: dict[str, Any] = {"format": "dcp", "world_size": world, "dcp_version": parsed.version}
-    implied = _implied_keys(parsed, megatron, tensors, objects)
+    if as_saved:
+        layout["names"] = "as_saved"
+    implied = [] if as_saved else _implied_keys(parsed, megatron, tensors, objects)
     if implied:
         layout["implied_keys"] = implied
     if megatron is not None:
@@ -61,7 +72,7 @@ def read_manifest(storage: Storage) -> Manifest | None:
 
 
 def _read_entries(storage: Storage, parsed: _Parsed, megatron: dict | None,
-                  index: dict[str, int]) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+                  index: dict[str, int], as_saved: bool = False) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """The checkpoint's tensors (each chunk located in its archive) and objects (values decoded), named.
     Megatron's common.pt, read here, records what it skips in `megatron`."""
     budget = _Budget()
@@ -74,7 +85,9 @@ def _read_entries(storage: Storage, parsed: _Parsed, megatron: dict | None,
         values = {fqn: _decode_value(fqn, bytes(windows.read(it.path, it.offset, it.offset + it.length)),
                                      storage.describe(it.path), budget)
                   for fqn, it in parsed.values.items()}
-        if megatron is not None:
+        if as_saved:
+            tensors, objects = _as_saved_entries(_paths(parsed), parsed, located, values, index, storage.describe(""))
+        elif megatron is not None:
             tensors, objects = _megatron_entries(parsed, located, values, index, storage.describe(""))
             objects.update(_megatron_common(storage, megatron, budget))
         else:
