@@ -70,6 +70,12 @@ class StatefulDataLoaderState:
             if is_dp_stateful(s) and hasattr(s, "dp_rank") and hasattr(s, "dp_size"):
                 self.sampler, self.dp_rank, self.dp_size = s, s.dp_rank, s.dp_size
                 return
+        own = _own_dp_rank(loader)
+        if own is not None:
+            # The loader knows its data-parallel rank (torchtitan's ParallelAwareDataloader): under
+            # tensor, pipeline or context parallelism it is not the global rank.
+            self.dp_rank, self.dp_size = own
+            return
         for s in candidates:
             if isinstance(s, DistributedSampler):
                 self.dp_rank, self.dp_size = s.rank, s.num_replicas
@@ -101,6 +107,16 @@ class StatefulDataLoaderState:
             nested[r] = found[0]
         _, replicated, by_dp = _group_by_dp_rank(f"{self.key} (sampler)", nested)
         self.sampler.load_dp_state_dict(replicated, by_dp, saved_dp_size)
+
+
+def _own_dp_rank(loader: Any) -> tuple[int, int] | None:
+    """(dp_rank, dp_size) a loader states itself: `dp_rank` with `dp_world_size` (torchtitan) or
+    `dp_size`, both non-negative ints with the rank below the size; None when it states none."""
+    rank = getattr(loader, "dp_rank", None)
+    size = getattr(loader, "dp_world_size", getattr(loader, "dp_size", None))
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (rank, size)) or not 0 <= rank < size:
+        return None
+    return rank, size
 
 
 def _find_dp_states(value: Any) -> list[dict]:
@@ -182,8 +198,37 @@ def load_dataloader(key: str, value: Any) -> LoadTarget:
     def finish(objects):
         if key not in objects:
             return
-        saved_dp_size, replicated, by_dp = _group_by_dp_rank(key, objects[key])
+        by_rank = objects[key]
+        if isinstance(view, StatefulDataLoaderState) and not any(is_dp_state(v) for v in by_rank.values()):
+            # The loader's own state_dict(), not omnickpt's per-rank record: a DCP folder's value (DCP
+            # keeps one per key; torchtitan's loaders key theirs by dp rank inside it) or one saved by
+            # the generic adapter. The loader picks its part, as it does under dcp.load.
+            value = by_rank.get(_process_rank(), by_rank[min(by_rank)])
+            view.loader.load_state_dict(value)
+            return
+        saved_dp_size, replicated, by_dp = _group_by_dp_rank(key, by_rank)
         view.load_dp_state_dict(replicated, by_dp, saved_dp_size)
 
     target.finish = finish
     return target
+
+
+def _process_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def merged_loader_state(by_dp: dict[int, Any]) -> Any:
+    """One state for a loader saved per data-parallel rank, as DCP stores one value per key: the union
+    of the ranks' dicts when their keys are disjoint but for equal values (torchtitan's loaders save
+    {"dp_rank_<r>": ..., "world_size": n}), else the lowest dp rank's (what dcp.save keeps)."""
+    values = [by_dp[r] for r in sorted(by_dp)]
+    if not values or not all(isinstance(v, dict) for v in values):
+        return values[0] if values else None
+    merged: dict = {}
+    for v in values:
+        for k, x in v.items():
+            if k in merged and not _same(merged[k], x):
+                return values[0]
+            merged[k] = x
+    return merged

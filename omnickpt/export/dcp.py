@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 import torch
 
+from omnickpt.adapters.dataloader import merged_loader_state
 from omnickpt.adapters.generic import parse_per_rank_name
+from omnickpt.data import is_dp_state
 from omnickpt.errors import UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
 from omnickpt.format import Manifest, ShardRef, dtype_from_name
@@ -52,8 +54,10 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     "params" naming the parameters); other objects are written as DCP writes a nested value, each
     leaf torch.save'd. Load it with `sd = {"model": get_model_state_dict(m), "optim":
     get_optimizer_state_dict(m, o)}; dcp.load(sd, checkpoint_id=dst); set_state_dict(m, o,
-    model_state_dict=sd["model"], optim_state_dict=sd["optim"])`. Per-rank objects (a dataloader's
-    positions, RNG states) are written as the lowest saving rank's value. A tensor saved at the top level
+    model_state_dict=sd["model"], optim_state_dict=sd["optim"])`. Per-rank objects (RNG states) are
+    written as the lowest saving rank's value; a dataloader saved by omnickpt's DataLoaderAdapter as
+    the loader's own state_dict(), its data-parallel ranks' states merged when their keys differ
+    (torchtitan's loaders key theirs "dp_rank_<r>"), so that the loader's load_state_dict takes it. A tensor saved at the top level
     (a name with no "/", or a plain value {"w": t}) is the top-level key of that name, as `dcp.save({"w": t})`
     writes it; so is a model a DCP source held at its top level (read as "model", the reader's
     layout["implied_keys"]): the state dict dcp.load accepted for the source accepts the export.
@@ -76,7 +80,7 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
     with CheckpointReader(str(src), workers=1, allow_pickle=allow_pickle) as reader:
         where = reader.location
         manifest = reader.manifest
-        state, owners = _export_state(manifest, reader.objects(), where)
+        state, owners = _export_state(manifest, _objects(reader), where)
         leaves: list[tuple[tuple, Any]] = []
         _traverse(state, leaves.append)
         _refuse_key_collisions(leaves, owners, where)
@@ -98,6 +102,19 @@ def export_dcp(src: str, dst: str, *, progress: bool = True, allow_pickle: bool 
             _write_metadata(dest, _export_metadata(leaves, records, data_name, dest.path))
     return {"path": dest.path, "tensors": len({name for _, name, _, _ in pieces}), "chunks": len(pieces),
             "values": len(values) + len(plain), "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def _objects(reader: CheckpointReader) -> dict[str, Any]:
+    """The values to write: each object as the lowest saving rank's value, except a dataloader's
+    per-rank records (omnickpt's DataLoaderAdapter), written as the loader's own state_dict() that
+    DCP would hold: the ranks' states merged (adapters.dataloader.merged_loader_state)."""
+    objects = reader.objects()
+    loaders = [k for k, v in objects.items() if is_dp_state(v)]
+    if loaders:
+        for key, by_rank in reader.objects(loaders, all_ranks=True).items():
+            shards = {v["dp_rank"]: v["shard"] for _, v in sorted(by_rank.items()) if is_dp_state(v)}
+            objects[key] = merged_loader_state(shards)
+    return objects
 
 
 def _flat(path: tuple) -> str:
