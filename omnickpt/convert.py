@@ -45,6 +45,7 @@ from omnickpt.errors import CheckpointError, UnsupportedError
 from omnickpt.export import export_dcp, export_hf
 from omnickpt.export.destination import refuse_occupied
 from omnickpt.export.hf import TOP_LEVEL
+from omnickpt.export.mapping import MappingFn
 from omnickpt.format import CHUNK_BYTES, MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, SavedBox, Sums, TensorEntry
 from omnickpt.format import checksum, dtype_from_name, dtype_name
 from omnickpt.format.cast import CastLosses, keeps_dtype
@@ -116,10 +117,43 @@ def parse_transform(text: str):
         raise ValueError(f"transform {text!r}: {e}") from None
 
 
+# ---------------------------------------------------------------------- a mapping on the command line
+def load_mapping(text: str) -> MappingFn:
+    """The function `text` names, "package.module:function" or "module:object.method" (e.g.
+    "my_export:adapter.to_hf"), imported: this RUNS the module's code, as `python -c "import module"`
+    would; the current directory is on the import path while it is imported (a module beside the
+    command). UnsupportedError naming what is missing or not callable."""
+    import importlib
+    module_name, sep, attrs = text.strip().partition(":")
+    if not sep or not module_name or not attrs:
+        raise UnsupportedError(f"mapping {text!r} must be written module:function, e.g. my_export:to_hf or "
+                               "my_export:adapter.to_hf")
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UnsupportedError(f"mapping {text!r}: cannot import {module_name!r} ({e}); pass a module on the import "
+                               "path or in the current directory") from e
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    for attr in attrs.split("."):
+        if not hasattr(obj, attr):
+            raise UnsupportedError(f"mapping {text!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
+                                   f"{attr!r}")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise UnsupportedError(f"mapping {text!r} is a {type(obj).__name__}, not a function {{name: tensor}} -> "
+                               "{Hugging Face name: tensor}")
+    return obj
+
+
 # ---------------------------------------------------------------------- entry point
 def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch.dtype | str | None = None,
             max_shard_size: int | str | None = None, transforms: Sequence[Any] = (), progress: bool = True,
-            workers: int = 4, allow_lossy_cast: bool = False) -> dict:
+            workers: int = 4, allow_lossy_cast: bool = False, mapping: MappingFn | str | None = None) -> dict:
     """Write the checkpoint at `src` (any format omnickpt reads) as a new checkpoint at `dst` in
     format `to`: "hf" (a Hugging Face safetensors folder), "dcp" (PyTorch DCP) or "omnickpt".
 
@@ -135,6 +169,9 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     (omnickpt.transforms) rewrite names and fusing first. `progress` shows a progress bar on stderr. A cast that would
     turn finite values into inf or non-zero values into 0 is refused (UnsupportedError naming the
     tensor and the counts) unless `allow_lossy_cast`; then the summary's "lossy_casts" counts them.
+    `mapping` (to="hf" only) makes the folder's tensors through a model's own state-dict adapter, layer by layer
+    (export_hf's mapping=, docs/hf_mapping.md): a function, or its "module:function" spelling, which is
+    imported (load_mapping: that runs the module's code).
 
     Returns a summary dict (at least "to" and "path"; to="hf" adds "key" and "entry", the state entry it
     exported in words, e.g. "the top-level tensors of the state"; "lossy": the tensors the source holds lossy,
@@ -149,6 +186,11 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     _refuse_non_empty(storage_for(str(dst)))
     cast = _float_dtype(dtype)
     size = parse_size(max_shard_size) if max_shard_size is not None else None
+    if mapping is not None and to != "hf":
+        raise UnsupportedError(f"convert to {to} takes no mapping: a mapping makes Hugging Face names and layouts; "
+                               "convert to hf")
+    if isinstance(mapping, str):
+        mapping = load_mapping(mapping)
     if to == "omnickpt":   # to_omnickpt keeps the lossy records in the checkpoint it writes
         result = to_omnickpt(str(src), str(dst), key=key, dtype=cast, part_bytes=size or PART_BYTES,
                              transforms=transforms, progress=progress, workers=workers,
@@ -162,7 +204,7 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         key = TOP_LEVEL if key == "." else key
         result, lossy = _convert_hf(str(src), str(dst), source, key=key, dtype=cast, size=size,
                                     transforms=transforms, progress=progress, workers=workers,
-                                    allow_lossy_cast=allow_lossy_cast)
+                                    allow_lossy_cast=allow_lossy_cast, mapping=mapping)
     else:
         result, lossy = _convert_dcp(str(src), str(dst), source, key=key, dtype=cast, size=size,
                                      transforms=transforms, progress=progress)
@@ -179,15 +221,17 @@ def _float_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def _convert_hf(src: str, dst: str, source: Manifest, *, key: str | None, dtype: torch.dtype | None,
                 size: int | None, transforms: Sequence[Any], progress: bool, workers: int,
-                allow_lossy_cast: bool) -> tuple[dict, dict[str, dict]]:
+                allow_lossy_cast: bool, mapping: MappingFn | None = None) -> tuple[dict, dict[str, dict]]:
     """convert(to="hf"): (export_hf's summary, with "lossy_casts" when a cast lost values; the lossy records
-    of the entry it exported, under the names it wrote them)."""
+    of the entry it exported, under the names it wrote them: with a mapping, under the source's names, as
+    what the mapping made of them cannot be said)."""
     for transform in transforms:   # the lossy records under the names the export writes
         source = transform.apply(source)
     lossy = dict(source.quantized)
     losses = CastLosses(allow_lossy_cast)   # the export casts each tensor through it as it writes it
     result = export_hf(src, dst, key=key, dtype=dtype, max_shard_size=size or HF_SHARD_BYTES,
-                       transforms=tuple(transforms), workers=workers, progress=progress, losses=losses)
+                       transforms=tuple(transforms), workers=workers, progress=progress, losses=losses,
+                       mapping=mapping)
     # the records of the entry exported ("entry" says which in words); key "" is the top-level tensors
     lossy = {n: r for n, r in lossy.items() if (n.split("/", 1)[0] if "/" in n else "") == result["key"]}
     if losses.counts:
@@ -584,5 +628,5 @@ def _write_part(reader: CheckpointReader, storage: Storage, rel: str, part: _Par
     return out
 
 
-__all__ = ["HF_SHARD_BYTES", "PART_BYTES", "TARGETS", "convert", "location", "parse_size", "parse_transform",
-           "plan_parts", "refuse_nested", "to_omnickpt"]
+__all__ = ["HF_SHARD_BYTES", "PART_BYTES", "TARGETS", "convert", "load_mapping", "location", "parse_size",
+           "parse_transform", "plan_parts", "refuse_nested", "to_omnickpt"]

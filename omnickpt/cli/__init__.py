@@ -6,7 +6,8 @@
     omnickpt diff A B [--atol X] [--rtol Y] [--include GLOB]... [--exclude GLOB]... [--all] [--json]
                                                 what differs between two checkpoints; exit 1 when they differ
     omnickpt convert SRC DST --to hf|dcp|omnickpt [--key K] [--dtype D [--allow-lossy-cast]] [--max-shard-size S]
-                     [--transform T]...         write a checkpoint in another format (never over existing files,
+                     [--transform T]... [--mapping MODULE:FUNCTION]
+                                                write a checkpoint in another format (never over existing files,
                                                 never inside SRC)
     omnickpt report PATH [--json] [--png FILE] [--trace FILE]
                                                 per-rank, per-phase timings of the save that wrote PATH
@@ -148,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
     con.add_argument("--transform", type=_transform, action="append", default=[], metavar="CALL",
                      help="a declared transform applied first (repeatable, in order), e.g. "
                           "'SplitFused(\"mlp.fc1.weight\", into=[\"mlp.gate.weight\", \"mlp.up.weight\"])'")
+    con.add_argument("--mapping", metavar="MODULE:FUNCTION",
+                     help="hf only: make the folder's tensors with this function {name: tensor} -> {hf name: tensor}, "
+                          "e.g. one wrapping torchtitan's StateDictAdapter.to_hf (renames and permutes q/k rows), "
+                          "called on one layer's tensors at a time. It is IMPORTED, which runs that module's code "
+                          "(the current directory is on the import path): name only code you trust")
     con.add_argument("--json", action="store_true", help="print the result as JSON")
     con.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     rep = sub.add_parser("report", help="per-rank, per-phase timings of the save that wrote a checkpoint",
@@ -220,7 +226,7 @@ def _convert(args) -> int:
     from omnickpt.convert import convert
     result = convert(args.src, args.dst, to=args.to, key=args.key, dtype=args.dtype,
                      max_shard_size=args.max_shard_size, transforms=args.transform, progress=_progress(args),
-                     allow_lossy_cast=args.allow_lossy_cast)
+                     allow_lossy_cast=args.allow_lossy_cast, mapping=args.mapping)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

@@ -1,6 +1,8 @@
 """Writing a Hugging Face safetensors folder from any checkpoint omnickpt reads (`export_hf`): the source is
 read through a CheckpointReader, tensor by tensor, and each tensor written at its offset in its file; the
-folder's format (headers, index, config.json) is omnickpt.formats.hf's."""
+folder's format (headers, index, config.json) is omnickpt.formats.hf's. With a `mapping` (a model's own
+state-dict adapter: export/mapping.py, docs/hf_mapping.md) it is read group by group (a layer's tensors) and
+what the mapping makes of each group is written instead."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +10,17 @@ import json
 import logging
 import math
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from omnickpt.adapters.generic import parse_per_rank_name
 from omnickpt.errors import MismatchError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
+from omnickpt.export.mapping import (GroupFn, GroupPlan, GroupSource, MappingFn, group_names, layer_group,
+                                     plan_groups, run_bounded, write_groups)
 from omnickpt.format import Manifest, TensorEntry, dtype_from_name
 from omnickpt.format.cast import CastLosses
 from omnickpt.format.objects import ShardRef
@@ -36,7 +38,8 @@ TOP_LEVEL = ""
 
 def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype | None = None,
               max_shard_size: int = 5 * 10**9, transforms: Sequence[Any] = (), workers: int = 4,
-              progress: bool = True, durable: bool = True, losses: CastLosses | None = None) -> dict:
+              progress: bool = True, durable: bool = True, losses: CastLosses | None = None,
+              mapping: MappingFn | None = None, group: GroupFn | None = None) -> dict:
     """Write the module saved under `key` in the checkpoint at `src` as a Hugging Face folder at `dst`.
     With `durable` (the default) every file is fsynced before this returns; durable=False leaves
     that to the OS (an export for a quick evaluation, as DCP's consolidated files are written).
@@ -70,6 +73,19 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     words ("state entry 'model' (fsdp2)"), "files", "tensors", "bytes", "seconds", "dropped": {name: the name
     it duplicates}, "config": bool}. A failed export removes the files it wrote (and `dst` when it made it); a
     write that fails (a full disk, a read-only file system) raises StorageError naming the file.
+
+    `mapping` (docs/hf_mapping.md), a function {name: tensor} -> {Hugging Face name: tensor} such as torchtitan's
+    `StateDictAdapter.to_hf`, makes the folder's tensors instead of the names alone: it may rename, permute, split
+    or fuse. It is called on one group of the entry's tensors at a time (names as under `key/`, after
+    `transforms`), never the whole model: `group(name)` gives a tensor's group key, by default
+    omnickpt.export.mapping.layer_group (the name up to and including its first integer segment, "layers.3.";
+    the tensors with no integer segment form one group). It must return tensors only (UnsupportedError), no name
+    that another group returned (MismatchError naming both groups), and the same names, shapes and dtypes for a
+    group's meta tensors as for its values: it is called on meta tensors first, to lay the files out before
+    writing (a mapping that fails on them is called on the values, the group then being read twice), and from
+    one thread at a time. With a mapping nothing is dropped as a tied duplicate (the mapping decides: torchtitan's
+    adapters leave out a tied lm_head), `dtype` casts what it returns, and memory holds at most twice the largest
+    group (with what the mapping returns) or 256 MiB.
     """
     t0 = time.perf_counter()
     _check_export_options(dtype, max_shard_size)
@@ -84,10 +100,23 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
         inline = {n: v for n, v in chosen.items() if isinstance(v, torch.Tensor)}
         entries = {n: (full, manifest.tensors[full]) for n, full in chosen.items() if n not in inline}
         config = _saved_config(manifest)
-        dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
-        out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype, inline)
-        # Plan every read before writing anything: a tensor the checkpoint does not fully hold fails now.
-        plan_reads(manifest, [(full, Box.full(shape)) for name, full, _, _, shape in out if name not in inline])
+        if mapping is None:
+            dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
+            out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype, inline)
+            # Plan every read before writing anything: a tensor the checkpoint does not fully hold fails now.
+            plan_reads(manifest, [(full, Box.full(shape)) for name, full, _, _, shape in out if name not in inline])
+
+            def fill(tasks):
+                _write_tensors(reader, out, tasks, workers, progress, total, losses, inline)
+        else:
+            dropped = {}
+            plan_reads(manifest, [(full, Box.full(t.shape)) for full, t in entries.values()])
+            source = GroupSource(reader, entries, inline)
+            plans = plan_groups(group_names(list(chosen), group or layer_group), mapping, source.meta, source.read)
+            out = _mapped_outputs(plans, dtype)
+
+            def fill(tasks):
+                _write_mapped(source, mapping, plans, out, tasks, workers, progress, total, losses)
         shards = _shard_plan([(name, math.prod(shape) * w.itemsize) for name, _, _, w, shape in out], max_shard_size)
         files = _shard_files(len(shards))
         # Only a model's files clash: a folder may hold a tokenizer beside the weights.
@@ -95,7 +124,7 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
                              why="stale shards beside new ones would be read as one model")
         total = sum(math.prod(o[4]) * o[3].itemsize for o in out)
         with dest:
-            _write_model(reader, dest, files, shards, out, workers, progress, total, losses, durable, inline)
+            _write_model(dest, files, shards, out, durable, fill)
             if len(files) > 1:
                 _write_index(dest, files, shards, out, total, durable)
             if config is not None:
@@ -186,11 +215,10 @@ def _outputs(entries: dict[str, tuple[str, TensorEntry]], dtype: torch.dtype | N
     return out
 
 
-def _write_model(reader: CheckpointReader, dest: Destination, files: list[str], shards: list[list[int]], out,
-                 workers: int, progress: bool, total: int, losses: CastLosses | None, durable: bool,
-                 inline: dict[str, torch.Tensor]) -> None:
-    """Create each safetensors file at its full size with its header, then write every tensor at its offset
-    (those of `inline` from memory, the others read from the checkpoint)."""
+def _write_model(dest: Destination, files: list[str], shards: list[list[int]], out, durable: bool,
+                 fill: Callable[[list[tuple[int, str, int, int]]], None]) -> None:
+    """Create each safetensors file at its full size with its header, then have `fill` write every tensor at its
+    offset: fill([(fd, path, offset in the file, index in `out`)])."""
     layouts = [_file_layout([out[i] for i in shard]) for shard in shards]
     fds: list[int] = []
     try:
@@ -203,7 +231,7 @@ def _write_model(reader: CheckpointReader, dest: Destination, files: list[str], 
             _pwrite_all(fd, memoryview(header), 0, path)
         tasks = [(fds[k], dest.file(files[k]), len(header) + offset, shards[k][local])
                  for k, (header, _, offsets) in enumerate(layouts) for local, offset in offsets.items()]
-        _write_tensors(reader, out, tasks, workers, progress, total, losses, inline)
+        fill(tasks)
         for fd, fname in zip(fds, files) if durable else ():
             _os_call("syncing", dest.file(fname), os.fsync, fd)
     finally:
@@ -452,54 +480,75 @@ def _file_layout(tensors: Sequence[tuple[str, str, torch.dtype, torch.dtype, tup
 def _write_tensors(reader: CheckpointReader, out, tasks, workers: int, progress: bool, total: int,
                    losses: CastLosses | None = None, inline: dict[str, torch.Tensor] | None = None) -> None:
     """Read (through `reader`: verified against the checkpoint's checksums where it has them), cast (through
-    `losses` when given) and pwrite every tensor; at most about the largest tensor's bytes are in flight. The
-    first failure cancels the tensors not yet started and is raised."""
-    sizes = {i: math.prod(out[i][4]) * out[i][2].itemsize for _, _, _, i in tasks}
-    budget = max(max(sizes.values(), default=0), 64 << 20)
-    gate = threading.Condition()
-    in_flight = [0]
+    `losses` when given) and pwrite every tensor; at most about the largest tensor's bytes are in flight
+    (run_bounded). The first failure cancels the tensors not yet started and is raised."""
     bar = byte_progress(total, progress)
 
-    def one(fd: int, path: str, at: int, i: int) -> None:
+    def one(task) -> None:
+        fd, path, at, i = task
         name, full, stored, written, shape = out[i]
-        with gate:   # admit a tensor once the ones in flight leave room for it (one always fits)
-            gate.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + sizes[i] <= budget)
-            in_flight[0] += sizes[i]
-        try:
-            if inline and name in inline:
-                t = inline[name].detach().contiguous()
-            else:
-                t = torch.empty(shape, dtype=stored)
-                if t.numel():
-                    reader.read_into([(full, Box.full(shape))], [t])
-            if written != stored:
-                # checked here, in the one read the export makes, not by a second pass over the source
-                t = losses.cast(t, written, full) if losses is not None else t.to(written)
+        if inline and name in inline:
+            t = inline[name].detach().contiguous()
+        else:
+            t = torch.empty(shape, dtype=stored)
             if t.numel():
-                _pwrite_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), at, path)
-            del t
-            if bar is not None:
-                bar.update(math.prod(shape) * written.itemsize)
-        finally:
-            with gate:
-                in_flight[0] -= sizes[i]
-                gate.notify_all()
+                reader.read_into([(full, Box.full(shape))], [t])
+        if written != stored:
+            # checked here, in the one read the export makes, not by a second pass over the source
+            t = losses.cast(t, written, full) if losses is not None else t.to(written)
+        if t.numel():
+            _pwrite_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), at, path)
+        del t
+        if bar is not None:
+            bar.update(math.prod(shape) * written.itemsize)
 
-    # Largest first: the long reads start early and the small ones fill in around them.
-    tasks = sorted(tasks, key=lambda t: -sizes[t[3]])
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="omnickpt-export") as pool:
-        futures = [pool.submit(one, *task) for task in tasks]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            # a refused cast or a full disk fails the export: the tensors after it would only be removed again
-            for f in futures:
-                f.cancel()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+    try:
+        run_bounded(one, tasks, [math.prod(out[i][4]) * out[i][2].itemsize for _, _, _, i in tasks], workers)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _mapped_outputs(plans: Sequence[GroupPlan], dtype: torch.dtype | None) -> list[tuple[str, str, torch.dtype,
+                                                                                       torch.dtype, tuple[int, ...]]]:
+    """export_hf's `out` for an export through a mapping: (Hugging Face name, the group in words, dtype the
+    mapping returns, dtype written, shape) of every tensor the mapping returns, group by group.
+    UnsupportedError for a dtype safetensors cannot store."""
+    out = []
+    for plan in plans:
+        for name, (made, shape) in plan.outputs.items():
+            written = dtype if dtype is not None and made.is_floating_point else made
+            if written not in _NAMES:
+                raise UnsupportedError(f"the export's mapping returned {name!r} with dtype "
+                                       f"{str(made).removeprefix('torch.')} for {plan.where}, which safetensors "
+                                       "cannot store; return another dtype, or pass dtype=")
+            out.append((name, plan.where, made, written, shape))
+    return out
+
+
+def _write_mapped(source: GroupSource, mapping: MappingFn, plans: Sequence[GroupPlan], out, tasks, workers: int,
+                  progress: bool, total: int, losses: CastLosses | None) -> None:
+    """Write what the mapping makes of each group (write_groups) at its offset, cast to its `out` dtype (through
+    `losses` when given)."""
+    at = {out[i][0]: (fd, path, offset, out[i][3]) for fd, path, offset, i in tasks}
+    bar = byte_progress(total, progress)
+
+    def write(name: str, t: torch.Tensor) -> None:   # from write_groups' threads
+        fd, path, offset, written = at[name]
+        if written != t.dtype:
+            t = losses.cast(t, written, name) if losses is not None else t.to(written)
+        if t.numel():
+            # cpu(): an adapter may hand back CUDA tensors
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            _pwrite_all(fd, memoryview(data.numpy()), offset, path)
+        if bar is not None:
+            bar.update(t.numel() * written.itemsize)
+
+    try:
+        write_groups(source, mapping, plans, write, workers)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
