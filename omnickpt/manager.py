@@ -51,6 +51,11 @@ class ManagerOptions:
     - incremental, full_every, block_bytes: each save writes only the blocks (of about block_bytes)
       changed since the previous committed step, a full one every full_every saves. Not with a
       memory tier.
+    - overwrite: this run knowingly starts over in a root that holds committed steps. Without it,
+      the first save of a run that loaded no step refuses (CheckpointError on every rank, nothing
+      written) a step number root already holds, and committed steps newer than it (a restarted job
+      that did not resume). With it, or after a load (a resume or a rollback), newer steps only warn
+      and are kept until this run's saves replace or retire them.
     """
     keep_last: int | None = None
     read_only: bool = False
@@ -61,9 +66,12 @@ class ManagerOptions:
     incremental: bool = False
     full_every: int | None = 10
     block_bytes: int | None = None
+    overwrite: bool = False
 
     def __post_init__(self):
         check_on_error(self.on_error)
+        if not isinstance(self.overwrite, bool):
+            raise TypeError(f"overwrite={self.overwrite!r}: expected True or False")
         check_keep_last(self.keep_last)
         if self.every is not None:
             check_cadence(self.every, self.max_overhead, self.max_interval)
@@ -204,7 +212,7 @@ class CheckpointManager:
     def __init__(self, root: str, *, checkpointer: Checkpointer | None = None, process_group: Any = None,
                  options: ManagerOptions | None = None, memory: Any = None, **keywords):
         """`keywords`: ManagerOptions' fields (keep_last, read_only, on_error, every, max_overhead,
-        max_interval, incremental, full_every, block_bytes), or all of them as `options`."""
+        max_interval, incremental, full_every, block_bytes, overwrite), or all of them as `options`."""
         opts = manager_options(type(self).__name__, root, options, memory, keywords)
         self._ckpt = checkpointer or default_checkpointer()
         self._group = process_group
@@ -212,6 +220,7 @@ class CheckpointManager:
         self._root = StepRoot(root, self._comm, keep_last=opts.keep_last)
         self.root, self.keep_last = self._root.path, opts.keep_last
         self._read_only = read_only = opts.read_only
+        self._overwrite = opts.overwrite
         self._pending: tuple[int, SaveHandle] | None = None
         self._closed = False
         self.restored: tuple[str, int] | None = None   # ("durable", step) after load_latest
@@ -275,7 +284,7 @@ class CheckpointManager:
         self._loop.check_new(step)
         self.wait()
         if not self._loop.saved:
-            self._root.warn_newer(step, stacklevel=5)
+            self._root.first_save(step, self._overwrite, stacklevel=5)
         self._loop.saved.add(step)
         if self.incremental or kwargs.get("incremental"):
             # incremental against the previous step (unless the call names its own base)

@@ -56,6 +56,7 @@ class StepRoot:
         self._lock = threading.Lock()
         self._release = weakref.finalize(self, _release_all, self._leases)
         self._loading: int | None = None   # a step being loaded: retention never retires it
+        self.loaded: int | None = None     # the last step this run loaded (it resumed, or rolled back)
 
     # ------------------------------------------------------------------ steps
     def step_path(self, step: int) -> str:
@@ -75,6 +76,7 @@ class StepRoot:
         self._loading = int(step)
         try:
             yield
+            self.loaded = int(step)
         finally:
             self._loading = None
 
@@ -141,6 +143,38 @@ class StepRoot:
         except Exception as e:
             log.warning("omnickpt: could not remove %s of the failed save of step %d: %s",
                         self.storage.describe(name), step, e)
+
+    def first_save(self, step: int, overwrite: bool, stacklevel: int = 6) -> None:
+        """Every rank, before this run's first save (of step `step`), when this run loaded no step:
+        committed steps it did not expect are refused, never overwritten: step `step` itself, or steps
+        newer than it (a restarted job that did not resume would save over, or beside, the steps it
+        should have resumed from). A run that loaded a step has seen root (a resume, or a rollback to
+        an older step whose later saves replace the newer ones); `overwrite=True` (the manager's
+        option) says the run knowingly starts over in root. Either way newer steps only warn. Raised
+        on every rank."""
+        def local() -> None:
+            if not self.comm.is_coordinator:
+                return
+            if not overwrite and self.loaded is None:
+                try:
+                    steps = self.steps()
+                except (CheckpointError, OSError):
+                    return   # root unreachable: the save itself will say so
+                newer = [s for s in steps if s > step]
+                if step in steps:
+                    raise CheckpointError(
+                        f"{self.step_path(step)} is a committed checkpoint that this run did not write: saving step "
+                        f"{step} would overwrite it. Resume from it (load_latest(state) or load({step}, state)) before "
+                        f"saving later steps, save to another root, or pass overwrite=True to the manager to replace it")
+                if newer and self.loaded is None:
+                    raise CheckpointError(
+                        f"{self.path} holds committed step(s) {newer[-8:]} newer than step {step}, this run's first "
+                        f"save, and this run resumed from none of them (a restarted job that did not find them?). "
+                        f"Resume with load_latest(state) first, save to another root, or pass overwrite=True to the "
+                        f"manager to start over beside them (they are kept)")
+            self.warn_newer(step, stacklevel=stacklevel + 2)
+
+        self.comm.run_step(f"first save to {self.path}", local)
 
     def warn_newer(self, step: int, stacklevel: int = 5) -> None:
         """Coordinator, at this run's first save: root's committed steps newer than it are another run's.

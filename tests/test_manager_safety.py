@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import omnickpt
+from omnickpt.errors import CheckpointError
 from dist import run_ranks
 from omnickpt.storage.shm import clear_memory, shm_path
 
@@ -223,7 +224,18 @@ def test_a_new_run_does_not_lose_its_steps_to_an_abandoned_runs_newer_ones(job, 
     for step in (100, 101):
         old.save(step, _state(step))
     old.close()                                   # an abandoned run: a new one starts over in the same root
-    new = omnickpt.CheckpointManager(str(root), keep_last=2)
+    # A run that did not resume is refused (every rank, nothing written): it never saves over, or
+    # beside, the steps it should have resumed from unless it says so (issue 19).
+    restarted = omnickpt.CheckpointManager(str(root), keep_last=2)
+    with pytest.raises(CheckpointError, match=r"holds committed step\(s\) \[100, 101\] newer than step 1.*"
+                                              r"resumed from none of them.*overwrite=True"):
+        restarted.save(1, _state(1))
+    with pytest.raises(CheckpointError, match=r"global_step_100 is a committed checkpoint that this run did not "
+                                              r"write: saving step 100 would overwrite it"):
+        restarted.save(100, _state(7))
+    assert restarted.steps() == [100, 101] and not (root / "global_step_1").exists()
+    restarted.close()
+    new = omnickpt.CheckpointManager(str(root), keep_last=2, overwrite=True)
     with pytest.warns(RuntimeWarning, match=r"holds committed step\(s\) \[100, 101\] newer than step 1"):
         new.save(1, _state(1))
     for step in (2, 3, 4):

@@ -181,7 +181,8 @@ def test_a_rolled_back_manager_resaving_a_step_leaves_the_newer_steps_loadable(t
     root = str(tmp_path)
     at_3 = _three_steps(root, keep_last=None)
     with pytest.warns(RuntimeWarning, match="newer than step 2"):
-        with omnickpt.CheckpointManager(root, incremental=True) as mgr:
+        # a deliberate rollback without a load first: overwrite=True says so (else refused, issue 19)
+        with omnickpt.CheckpointManager(root, incremental=True, overwrite=True) as mgr:
             mgr.save(2, {"model": _model(seed=5)})          # step 3 took its unchanged blocks from step 2
             assert mgr.latest_step() == 3
             back = _model(seed=9)
@@ -195,7 +196,7 @@ def test_a_failed_save_into_a_stripped_step_keeps_the_files_a_kept_step_referenc
     at_3 = _three_steps(root, keep_last=1)                   # 1 and 2: stripped to what 3 references
     assert committed_steps(LocalStorage(root)) == [3] and glob.glob(f"{root}/{step_dir(2)}/data/*")
     with pytest.warns(RuntimeWarning, match="newer than step 2"):
-        with omnickpt.CheckpointManager(root) as mgr:
+        with omnickpt.CheckpointManager(root, overwrite=True) as mgr:
             with pytest.raises(CheckpointError):
                 mgr.save(2, {"model": _model(), "bad": threading.Lock()})   # refused: its folder is discarded
             assert mgr.latest_step() == 3

@@ -79,6 +79,7 @@ class TieredCheckpointManager:
         self.root, self.keep_last = self._root.path, opts.keep_last
         self._closed = False
         self.restored: tuple[str, int] | None = None   # ("memory" | "durable", step) after load_latest
+        self._overwrite = opts.overwrite
         self._guard = FailureGuard(self._root.storage, self._comm, self._group, outcome=self._failure_outcome,
                                    save=self._save_at_failure, latest=self.latest_step)
         cadence = cadence_of(opts.every, opts.max_overhead, opts.max_interval, self._comm)
@@ -285,7 +286,7 @@ class TieredCheckpointManager:
                                   f"world size {info['world_size']}, which this run saves over without having restored "
                                   f"them (load_latest()); they are removed", RuntimeWarning, stacklevel=5)
                 self._tier.drop_previous()
-        self._root.warn_newer(step, stacklevel=6)
+        self._root.first_save(step, self._overwrite, stacklevel=6)
 
     def _save_to_memory(self, step: int, state: dict, async_save: bool, kwargs: dict) -> TieredSave:
         due = (self._saves + 1) % self.options.persist_every == 0
