@@ -53,6 +53,7 @@ class SaveHandleProtocol(Protocol):
     - fence(): the training thread waits until the save's snapshot is complete; after it the state
       may change (an optimizer step) without reaching the checkpoint. Raises nothing about the
       save itself: wait() does.
+    - staged(): never blocks: whether that snapshot is complete (fence() would not wait).
     """
 
     def done(self) -> bool: ...
@@ -60,6 +61,8 @@ class SaveHandleProtocol(Protocol):
     def wait(self, timeout: float | None = None) -> dict: ...
 
     def fence(self) -> None: ...
+
+    def staged(self) -> bool: ...
 
 
 class SaveHandle:
@@ -86,6 +89,14 @@ class SaveHandle:
         fence, self._fence = self._fence, None
         if fence is not None:
             fence.remove(self._timeout)
+
+    def staged(self) -> bool:
+        """Never blocks: whether this save's snapshot is complete (a sync or eager save: once save()
+        returned; a lazy snapshot: once its background copy is done). From then on the state may
+        change without reaching the checkpoint, as after fence(), which still takes the optimizers'
+        step hooks off (the next optimizer step does so too). torchtitan's `staging_completion`."""
+        fence = self._fence
+        return fence is None or fence.released
 
     def done(self) -> bool:
         if self._report is not None:

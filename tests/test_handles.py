@@ -60,7 +60,7 @@ def _step_and_edit(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def test_the_protocol_has_the_three_methods_and_both_handles_follow_it():
     for cls in (SaveHandle, TieredSave):
-        for name in ("done", "wait", "fence"):
+        for name in ("done", "wait", "fence", "staged"):
             assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name}"
         # wait(timeout=None) everywhere: one call site serves every handle.
         assert inspect.signature(cls.wait).parameters["timeout"].default is None
@@ -86,6 +86,25 @@ def test_handles_of_save_and_of_both_managers_are_save_handles(job, tmp_path):
         handle.fence()
         report = handle.wait()
         assert handle.done() and "durable" in report
+
+
+def test_staged_says_without_blocking_when_a_lazy_snapshot_is_copied(tmp_path):
+    # torchtitan's staging_completion: the training loop asks, and waits only when it must.
+    ckpt = omnickpt.Checkpointer()
+    try:
+        model, opt = _trained()
+        state = {"model": model, "optimizer": opt}
+        _hold_copier(ckpt, seconds=1.0)   # the background copy starts only after a second
+        handle = ckpt.save(str(tmp_path / "lazy"), state, async_save=True)
+        assert not handle.staged()        # returned at once: the copy has not run
+        handle.fence()                    # waits for it
+        assert handle.staged()
+        handle.wait()
+        eager = ckpt.save(str(tmp_path / "eager"), state, async_save=True, snapshot="eager")
+        assert eager.staged()             # everything was copied before save() returned
+        eager.wait()
+    finally:
+        ckpt.close()
 
 
 @pytest.mark.parametrize("snapshot", ["lazy", "eager"])

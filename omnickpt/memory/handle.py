@@ -31,6 +31,10 @@ class TieredSave:
         about the save itself: wait() / wait_memory() do."""
         self._handle.fence()
 
+    def staged(self) -> bool:
+        """Never blocks: whether the snapshot into shared memory is complete (SaveHandle.staged)."""
+        return self._handle.staged()
+
     def done(self) -> bool:
         if not self._memory.done():
             return False
