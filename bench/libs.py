@@ -116,4 +116,29 @@ class DCPReuseLib(DCPLib):
         self._stager.close()
 
 
-LIBS = {"omnickpt": OmniLib, "omnickpt-dedup": OmniDedupLib, "dcp": DCPLib, "dcp-reuse": DCPReuseLib}
+class OmniDCPLib(DCPLib):
+    """DCP's calling code unchanged (get_state_dict / set_state_dict, the same state dict), with
+    `from omnickpt import dcp` instead of torch's: omnickpt.dcp's save / async_save / load (issue 19).
+    Its async save copies the state dicts' tensors eagerly (a state dict holds no optimizer whose step
+    a lazy copy could hold back), so its stall is DCP-shaped code's, not omnickpt.save's."""
+    name = "omnickpt-dcp"
+
+    def save(self, path, model, opt, module):
+        from omnickpt import dcp
+        dcp.save(self._state(model, opt), checkpoint_id=path)
+        return None
+
+    def async_save(self, path, model, opt, module):
+        from omnickpt import dcp
+        return dcp.async_save(self._state(model, opt), checkpoint_id=path, process_group=self._pg)
+
+    def load(self, path, model, opt, module):
+        from omnickpt import dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        sd = self._state(model, opt)
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return None
+
+
+LIBS = {"omnickpt": OmniLib, "omnickpt-dcp": OmniDCPLib, "omnickpt-dedup": OmniDedupLib, "dcp": DCPLib, "dcp-reuse": DCPReuseLib}

@@ -106,10 +106,29 @@ def _definer(package: str, name: str, modules: dict[str, Path], trees: dict[str,
             if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
                 source = _absolute(package, True, node.level, node.module)
                 name = next(a.name for a in node.names if (a.asname or a.name) == name)
+        lazy = _lazy_exports(trees[package]).get(name)
+        if source is None and lazy is not None:   # a lazy re-export (PEP 562, omnickpt/__init__.py)
+            source, name = lazy
         if source is None or source not in modules:
             return package
         package = source
     return package
+
+
+def _lazy_exports(tree: ast.AST) -> dict[str, tuple[str, str]]:
+    """A package's lazy re-exports: the module-level `_PUBLIC = {name: (module, attribute)}` table its
+    `__getattr__` imports from (omnickpt/__init__.py), so that `from omnickpt import save` is still an
+    edge to the module that defines `save`."""
+    for node in getattr(tree, "body", []):
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "_PUBLIC" and isinstance(node.value, ast.Dict):
+            try:
+                table = ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+            return {k: tuple(v) for k, v in table.items() if isinstance(v, tuple) and len(v) == 2}
+    return {}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -218,3 +237,10 @@ def test_the_graph_sees_imports_hidden_inside_functions():
         ("omnickpt.format.manifest", "decode_manifest"), ("omnickpt", "tiered"), ("omnickpt.export.hf", None)]
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_a_lazy_re_export_is_followed_to_its_module():
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in modules.items()}
+    assert _definer("omnickpt", "save", modules, trees) == "omnickpt.api"
+    assert _definer("omnickpt", "CheckpointManager", modules, trees) == "omnickpt.manager"

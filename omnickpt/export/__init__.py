@@ -3,6 +3,8 @@ readers (omnickpt.formats: readers only) and read their source through the check
 (omnickpt.reader.CheckpointReader); omnickpt.convert calls them.
 
 - `hf.py`: `export_hf`, a Hugging Face safetensors folder (one state entry: a model's weights);
+- `mapping.py`: export_hf's `mapping=`, a model's own state-dict adapter (torchtitan's `to_hf`) applied
+  per layer group (docs/hf_mapping.md);
 - `dcp.py`: `export_dcp`, a PyTorch DCP folder that `dcp.load` reads at any world size;
 - `destination.py`: what every writer checks before writing (local, not the source, nothing it would
   write over) and how a failed export leaves the destination as it found it.
