@@ -41,10 +41,9 @@ def optimizers_in(state: dict) -> list[torch.optim.Optimizer]:
     def visit(v: Any, depth: int) -> None:
         if depth > 8:
             return
-        if isinstance(v, torch.optim.Optimizer):
-            found.setdefault(id(v), v)
-        elif isinstance(getattr(v, "optimizer", None), torch.optim.Optimizer):
-            found.setdefault(id(v.optimizer), v.optimizer)
+        if isinstance(v, torch.optim.Optimizer) or isinstance(getattr(v, "optimizer", None), torch.optim.Optimizer):
+            inner = innermost_optimizer(v)
+            found.setdefault(id(inner), inner)
         elif isinstance(v, dict):
             for x in v.values():
                 visit(x, depth + 1)
@@ -53,6 +52,20 @@ def optimizers_in(state: dict) -> list[torch.optim.Optimizer]:
                 visit(x, depth + 1)
     visit(state, 0)
     return list(found.values())
+
+
+def innermost_optimizer(v: Any) -> torch.optim.Optimizer:
+    """The optimizer that steps, behind wrappers holding it as `.optimizer` (Megatron's, Accelerate's
+    AcceleratedOptimizer: an Optimizer subclass that skips Optimizer.__init__, so it has no step hooks
+    of its own, and whose step() calls the inner one's)."""
+    seen = set()
+    while id(v) not in seen:
+        seen.add(id(v))
+        inner = getattr(v, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        v = inner
+    return v
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

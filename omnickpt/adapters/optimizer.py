@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from omnickpt.fence import innermost_optimizer
 from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, full_shard, tensor_shards
 from omnickpt.adapters.fsdp1 import FlatOptimParam, optimizer_params
 from omnickpt.adapters.generic import load_value, save_value
@@ -77,8 +78,9 @@ def _is_flat_state(value: Any, flat: FlatOptimParam) -> bool:
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """What the manifest records as the optimizer's kind: its class, 'torch.optim.adam.Adam'."""
-    return _class_name(type(optimizer))
+    """What the manifest records as the optimizer's kind: its class, 'torch.optim.adam.Adam' (the one
+    that steps, behind a wrapper such as Accelerate's AcceleratedOptimizer)."""
+    return _class_name(type(innermost_optimizer(optimizer)))
 
 
 def _class_name(cls: type) -> str:
@@ -244,7 +246,8 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
                     f"has state {theirs} in the checkpoint (saved by {saved_kind or 'an unrecorded optimizer class'}) "
                     f"but {own} in the optimizer ({mine}); {fix}, or pass strict=False to load the rest and leave "
                     "this optimizer as it is")
-    if saved_kind is None or any(saved_kind == _class_name(c) for c in type(optimizer).__mro__):
+    if saved_kind is None or any(saved_kind == _class_name(c) for o in (optimizer, innermost_optimizer(optimizer))
+                                 for c in type(o).__mro__):
         return None
     if any(optimizer.state.get(par.param) and saved_keys(par) for par in params):
         return None     # another class, but the same state keys, parameter by parameter (checked above)
