@@ -282,3 +282,23 @@ def test_a_plain_top_level_tensor_beside_a_module_is_not_taken_for_the_model(tmp
     omnickpt.save(str(tmp_path / "ckpt"), {"net": model, "rng": torch.get_rng_state()})
     result = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False)
     assert result["key"] == "net" and result["tensors"] == 4
+
+
+def test_an_hf_trainer_style_folder_exports_with_its_config_and_tokenizer_files(tmp_path):
+    # An HF Trainer checkpoint saved by omnickpt holds config.json and generation_config.json beside the
+    # checkpoint (the Trainer writes them): the export carries them, so from_pretrained loads it as it is.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    src = tmp_path / "checkpoint-4"
+    omnickpt.save(str(src), {"model": model}).wait()
+    model.config.save_pretrained(str(src))
+    transformers.GenerationConfig(max_new_tokens=7).save_pretrained(str(src))
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    result = export_hf(str(src), str(tmp_path / "hf"), progress=False)
+    assert result["config"] and sorted(result["copied"]) == ["generation_config.json", "tokenizer_config.json"]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert loaded.generation_config.max_new_tokens == 7

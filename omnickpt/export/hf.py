@@ -19,6 +19,7 @@ import torch
 from omnickpt.adapters.generic import parse_per_rank_name
 from omnickpt.errors import MismatchError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
+from omnickpt.export.sidecars import copy_sidecars, folder_config
 from omnickpt.export.mapping import (GroupFn, GroupPlan, GroupSource, MappingFn, group_names, layer_group,
                                      plan_groups, run_bounded, write_groups)
 from omnickpt.format import Manifest, TensorEntry, dtype_from_name
@@ -59,11 +60,13 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
     theirs); with `losses` (format/cast.py) every cast goes through it: one that turns finite values into inf
     or non-zero values into 0 fails the export (UnsupportedError naming the tensor) unless `losses` allows it,
     and then is counted in `losses.counts`. config.json is written from the checkpoint's
-    `layout["metadata"]["config"]` when present (with its dtype updated on a cast; its "architectures" from the
+    `layout["metadata"]["config"]` when present, else from the config.json beside the checkpoint in a local source
+    folder (an HF Trainer's checkpoint-N; with its dtype updated on a cast; its "architectures" from the
     metadata's "model_class" when the config has none, else left out, never null). When that config ties the
     word embeddings and `lm_head.weight` holds the same values as another tensor (same stored bytes, or equal
     chunk checksums), or two names point at the same stored bytes, the duplicate is written once, as
-    `save_pretrained` does.
+    `save_pretrained` does. The source folder's generation_config.json and tokenizer files (export/sidecars.py)
+    are copied beside the weights ("copied" in the result).
 
     Streams: each tensor is read whole through a CheckpointReader (from all its boxes, verified against
     the checkpoint's checksums where it has them), cast, and written at its offset, on `workers` threads; tensors in
@@ -99,7 +102,8 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
         chosen = _entry_tensors(entries_found, key)
         inline = {n: v for n, v in chosen.items() if isinstance(v, torch.Tensor)}
         entries = {n: (full, manifest.tensors[full]) for n, full in chosen.items() if n not in inline}
-        config = _saved_config(manifest)
+        # the checkpoint's recorded config, else the one saved beside it (an HF Trainer checkpoint folder)
+        config = _saved_config(manifest) or folder_config(src)
         if mapping is None:
             dropped = _tied_duplicates({n: t for n, (_, t) in entries.items()}, config)
             out = _outputs({n: e for n, e in entries.items() if n not in dropped}, dtype, inline)
@@ -129,8 +133,10 @@ def export_hf(src: str, dst: str, *, key: str | None = None, dtype: torch.dtype 
                 _write_index(dest, files, shards, out, total, durable)
             if config is not None:
                 _write_config(dest, config, dtype, durable)
+            sidecars = copy_sidecars(src, dest, durable)
     return {"path": dest.path, "key": key, "entry": exported, "files": files, "tensors": len(out), "bytes": total,
-            "seconds": time.perf_counter() - t0, "dropped": dropped, "config": config is not None}
+            "seconds": time.perf_counter() - t0, "dropped": dropped, "config": config is not None,
+            "copied": sidecars}
 
 
 def _check_export_options(dtype: torch.dtype | None, max_shard_size: int) -> None:
