@@ -7,7 +7,8 @@
 plain Trainer (rank 0 writes model.safetensors, optimizer.pt...), OmnickptTrainer sync (durable: fsync),
 and async. Figures, slowest rank, medians: `save` = time inside Trainer._save_checkpoint per save (what
 training waits for), `load` = time inside the Trainer's checkpoint loads of a resumed run
-(_load_from_checkpoint + _load_optimizer_and_scheduler + _load_rng_state).
+(_load_from_checkpoint + _load_optimizer_and_scheduler + _load_rng_state), the checkpoint files dropped
+from the page cache first (a restarted job reads cold; --warm keeps them cached).
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from ranks import run_ranks  # noqa: E402
+from ranks import evict, run_ranks  # noqa: E402
 
 
-def body(rank, world, root, kind, dims):
+def body(rank, world, root, kind, dims, warm):
     import gc
     gc.freeze()   # Trainer.train() calls gc.collect(): seconds over a large heap, the same for every kind
     import torch
@@ -80,6 +81,9 @@ def body(rank, world, root, kind, dims):
     trainer(8).train()
     saves = list(times["save"])
     times["load"].clear()
+    if not warm:
+        evict(os.path.join(root, kind))
+    torch.distributed.barrier()
     trainer(9).train(resume_from_checkpoint=True)
     return saves, sum(times["load"])
 
@@ -90,11 +94,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--kinds", default="plain,sync,async")
+    ap.add_argument("--warm", action="store_true", help="load with the checkpoint in the page cache")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         for kind in args.kinds.split(","):
-            out = run_ranks(2, body, d, kind, (args.layers, args.width, args.vocab), timeout=1800)
+            out = run_ranks(2, body, d, kind, (args.layers, args.width, args.vocab), args.warm, timeout=1800)
             saves = [max(r[0][i] for r in out) for i in range(len(out[0][0]))]
             load = max(r[1] for r in out)
             print(f"{kind:6s} save {statistics.median(saves):.3f} s (median of {len(saves)})  load {load:.3f} s",

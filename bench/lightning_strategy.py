@@ -9,7 +9,8 @@ torch.save), OmnickptDDPStrategy (every rank writes its part; sync) and Omnickpt
 Figures, slowest rank, medians: `save` = time inside strategy.save_checkpoint per save (what the
 training loop waits for), `durable` = for async saves, save + the wait for the commit at the end of fit
 (the saves before it were awaited by the next save), `load` = time inside strategy.load_checkpoint of
-a resumed fit (fresh weights, ckpt_path="last").
+a resumed fit (fresh weights, ckpt_path="last"), the checkpoint files dropped from the page cache first
+(a restarted job reads cold; --warm keeps them cached).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from ranks import run_ranks  # noqa: E402
+from ranks import evict, run_ranks  # noqa: E402
 
 
 def _timed(base):
@@ -52,7 +53,7 @@ def _timed(base):
     return Timed
 
 
-def body(rank, world, root, kind, width, layers, saves):
+def body(rank, world, root, kind, width, layers, saves, warm):
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -87,6 +88,9 @@ def body(rank, world, root, kind, width, layers, saves):
 
     first = strategy()
     trainer(first, 2 * saves).fit(Model())
+    if not warm:
+        evict(f"{root}/{kind}")
+    torch.distributed.barrier()
     resumed = strategy()
     trainer(resumed, 2 * saves + 1).fit(Model(), ckpt_path="last")
     return first.times, resumed.times
@@ -98,10 +102,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--kinds", default="lightning,omnickpt,omnickpt-async")
+    ap.add_argument("--warm", action="store_true", help="load with the checkpoint in the page cache")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         for kind in args.kinds.split(","):
-            out = run_ranks(2, body, d, kind, args.width, args.layers, args.saves, timeout=1800)
+            out = run_ranks(2, body, d, kind, args.width, args.layers, args.saves, args.warm, timeout=1800)
             saves = [max(r[0]["save"][i] for r in out) for i in range(len(out[0][0]["save"]))]
             # saves == (each ModelCheckpoint save and its save_last copy): every call counts
             teardown = max(r[0]["teardown"][0] if r[0]["teardown"] else 0.0 for r in out)

@@ -7,7 +7,8 @@ LRSchedulersContainer and ParallelAwareDataloader, built as the tests build them
 (tests/torchtitan_helpers.py: torchtitan's Trainer itself needs CUDA-only pieces on this machine).
 Both managers with async_mode="async" and a save at every step; per save: the stall (save() returning),
 the time until the checkpoint is durable (maybe_wait_for_staging + maybe_wait_for_saving), then loads
-of the last step into a fresh job. Each figure: the slowest rank, median over the saves (loads).
+of the last step into a fresh job, its files dropped from the page cache first (--warm: kept). Each
+figure: the slowest rank, median over the saves (loads).
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))   # torchtitan_helpers: th
 
 import torch  # noqa: E402
 
-from ranks import run_ranks  # noqa: E402
+from ranks import evict, run_ranks  # noqa: E402
 
 
-def body(rank, world, root, kind, saves, dims):
+def body(rank, world, root, kind, saves, dims, warm):
     import torchtitan_helpers as H
     H.DIM, H.LAYERS, H.VOCAB = dims
     from torchtitan.components.checkpointer import CheckpointManager
@@ -58,6 +59,8 @@ def body(rank, world, root, kind, saves, dims):
     loads = []
     for _ in range(saves):
         fresh = H.Job(cfg, f"{root}/{kind}", seed=1, steps=100)
+        if not warm:
+            evict(f"{root}/{kind}")
         torch.distributed.barrier()
         t = time.perf_counter()
         fresh.checkpointer.load(step=saves)
@@ -73,10 +76,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--managers", default="dcp,omnickpt")
+    ap.add_argument("--warm", action="store_true", help="load with the checkpoint in the page cache")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         for kind in args.managers.split(","):
-            out = run_ranks(2, body, d, kind, args.saves, (args.dim, args.layers, args.vocab), timeout=1200)
+            out = run_ranks(2, body, d, kind, args.saves, (args.dim, args.layers, args.vocab), args.warm, timeout=1200)
 
             def med(i):
                 return statistics.median(max(r[i][k] for r in out) for k in range(len(out[0][i])))

@@ -122,6 +122,12 @@ def test_checkpoint_saved_under_wrapped_names_keeps_loading(tmp_path, monkeypatc
         assert _same(_model_values(model), _model_values(model2)) == [], (ac, compiled)
         assert _same(_optim_values(model, opt), _optim_values(model2, opt2)) == [], (ac, compiled)
         assert [g["lr"] for g in opt2.param_groups] == [0.01]
+    # and its Hugging Face export is named as the plain model is
+    from omnickpt.export import export_hf
+    from safetensors import safe_open
+    export_hf(str(tmp_path / "old"), str(tmp_path / "hf"), key="model", progress=False)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(_gpt(0)[0].state_dict())
 
 
 def test_dcp_checkpoint_loads_into_a_model_with_activation_checkpointing(tmp_path):

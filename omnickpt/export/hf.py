@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from omnickpt.adapters.generic import parse_per_rank_name
+from omnickpt.adapters.module import canonical_names
 from omnickpt.errors import MismatchError, UnsafeCheckpointError, UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
 from omnickpt.export.sidecars import copy_sidecars, folder_config
@@ -401,7 +402,11 @@ def _entry_tensors(entries: _Entries, key: str) -> dict[str, Any]:
         out: dict[str, Any] = {n: n for n in entries.by_key.get(TOP_LEVEL, ()) if n not in entries.plain}
         return out | entries.plain
     prefix = f"{key}/"
-    return {n[len(prefix):]: n for n in entries.by_key.get(key, ())}
+    names = [n[len(prefix):] for n in entries.by_key.get(key, ())]
+    # A checkpoint written before names were canonical (a compiled block's `_orig_mod`) exports the names
+    # the plain model has, which a Hugging Face class loads.
+    clean = canonical_names(f"state entry {key!r}", names)
+    return {clean.get(n, n): f"{prefix}{n}" for n in names}
 
 
 def _describe_entry(manifest: Manifest, key: str) -> str:
