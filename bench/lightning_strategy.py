@@ -5,7 +5,8 @@
 2 gloo ranks on CPU (DDP), a LightningModule of `layers` Linear(width, width) with AdamW (about
 `12 * width^2 * layers` bytes of state: 300 MB at the defaults), ModelCheckpoint saving every 2 steps.
 Strategies: Lightning's DDPStrategy (its default: rank 0 writes the whole checkpoint dict with
-torch.save), OmnickptDDPStrategy (every rank writes its part; sync) and OmnickptDDPStrategy(async_save=True).
+torch.save), OmnickptDDPStrategy (every rank writes its part; sync), OmnickptDDPStrategy(async_save=True)
+and (--kinds omnickpt-dedup) loads with LoadOptions(dedup_reads=True).
 Figures, slowest rank, medians: `save` = time inside strategy.save_checkpoint per save (what the
 training loop waits for), `durable` = for async saves, save + the wait for the commit at the end of fit
 (the saves before it were awaited by the next save), `load` = time inside strategy.load_checkpoint of
@@ -78,6 +79,9 @@ def body(rank, world, root, kind, width, layers, saves, warm):
     def strategy():
         if kind == "lightning":
             return _timed(DDPStrategy)()
+        if kind == "omnickpt-dedup":   # one rank reads each replicated byte and forwards it (LoadOptions)
+            import omnickpt
+            return _timed(OmnickptDDPStrategy)(load_options=omnickpt.LoadOptions(dedup_reads=True))
         return _timed(OmnickptDDPStrategy)(async_save=kind == "omnickpt-async")
 
     def trainer(strat, steps):
