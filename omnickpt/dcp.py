@@ -34,6 +34,14 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
+# The names DCP code reaches through its module besides the three calls, so that `dcp.FileSystemWriter(path)`,
+# `dcp.DefaultLoadPlanner(allow_partial_load=True)` or `dcp.stateful.Stateful` keep working after the switch:
+# torch's own classes (save and load accept them as described).
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader,  # noqa: F401
+                                          FileSystemWriter, stateful)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: F401
+from torch.distributed.checkpoint.stateful import Stateful  # noqa: F401
+
 from omnickpt.adapters.generic import GenericAdapter
 from omnickpt.api import Checkpointer, LoadResult, default_checkpointer
 from omnickpt.errors import CheckpointError, UnsupportedError
@@ -78,7 +86,6 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     upload = _future_of(handle)
     if async_stager is None:
         return upload
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
     staged: Future = Future()
     staged.set_result(None)    # an eager snapshot: everything is copied when async_save returns
     return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
@@ -154,4 +161,5 @@ def _future_of(handle: Any) -> Future:
     return out
 
 
-__all__ = ["ADAPTERS", "async_save", "load", "save"]
+__all__ = ["ADAPTERS", "AsyncCheckpointerType", "AsyncSaveResponse", "DefaultLoadPlanner", "DefaultSavePlanner",
+           "FileSystemReader", "FileSystemWriter", "Stateful", "async_save", "load", "save"]

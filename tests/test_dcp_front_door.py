@@ -247,3 +247,21 @@ def test_dcp_storage_layers_and_planners(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_id is required"):
         dcp.save({"model": model.state_dict()})
     assert not (tmp_path / "p").exists()
+
+
+def test_the_names_dcp_code_reaches_through_its_module_are_there(tmp_path):
+    # code that switched its import keeps calling dcp.FileSystemWriter, dcp.DefaultLoadPlanner, ...
+    from torch.distributed.checkpoint import state_dict_saver
+    for name in ("FileSystemWriter", "FileSystemReader", "DefaultSavePlanner", "DefaultLoadPlanner"):
+        assert getattr(dcp, name) is getattr(torch_dcp, name), name
+    for name in ("AsyncCheckpointerType", "AsyncSaveResponse"):
+        assert getattr(dcp, name) is getattr(state_dict_saver, name), name
+    assert dcp.Stateful is Stateful and dcp.stateful.Stateful is Stateful
+    model, _ = _plain(1)
+    future = dcp.async_save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "w")),
+                            async_checkpointer_type=dcp.AsyncCheckpointerType.PROCESS)
+    future.result(timeout=60)
+    model2, _ = _plain(2)
+    dcp.load({"model": model2.state_dict()}, storage_reader=dcp.FileSystemReader(str(tmp_path / "w")),
+             planner=dcp.DefaultLoadPlanner())
+    assert _same_model(model, model2)
