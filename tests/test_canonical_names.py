@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_optimizer_state_dict, set_state_dict)
 
 import omnickpt
 import omnickpt.adapters.module as module_adapter
@@ -128,6 +128,16 @@ def test_checkpoint_saved_under_wrapped_names_keeps_loading(tmp_path, monkeypatc
     export_hf(str(tmp_path / "old"), str(tmp_path / "hf"), key="model", progress=False)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(_gpt(0)[0].state_dict())
+    # and its DCP export loads into the plain model's get_state_dict with dcp.load, strictly
+    from omnickpt.export import export_dcp
+    export_dcp(str(tmp_path / "old"), str(tmp_path / "dcp"), progress=False)
+    plain, plain_opt = _gpt(7)
+    msd, osd = get_state_dict(plain, plain_opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(plain, plain_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert _same(_model_values(model), _model_values(plain)) == []
+    assert _same(_optim_values(model, opt), _optim_values(plain, plain_opt)) == []
 
 
 def test_dcp_checkpoint_loads_into_a_model_with_activation_checkpointing(tmp_path):

@@ -20,6 +20,7 @@ import torch
 
 from omnickpt.adapters.dataloader import merged_loader_state
 from omnickpt.adapters.generic import parse_per_rank_name
+from omnickpt.adapters.module import canonical_name
 from omnickpt.data import is_dp_state
 from omnickpt.errors import UnsupportedError
 from omnickpt.export.destination import FULL_DISK_HINT, Destination, byte_progress
@@ -278,8 +279,10 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
             for k, v in value.items():
                 place((k,), v, who)
         elif _is_optimizer_object(value):
-            place((key,), {"state": {fqn: dict(v) for fqn, v in (value.get("state") or {}).items()},
-                           "param_groups": value["param_groups"]}, who)
+            # names as the plain model has them (a checkpoint saved before names were canonical), as
+            # get_optimizer_state_dict gives them
+            place((key,), {"state": {canonical_name(fqn): dict(v) for fqn, v in (value.get("state") or {}).items()},
+                           "param_groups": [_canonical_params(g) for g in value["param_groups"]]}, who)
         elif isinstance(value, dict) and isinstance(state.get(key), dict):
             for k, v in value.items():
                 place((key, k), v, who)
@@ -301,10 +304,17 @@ def _export_state(manifest: Manifest, objects: dict[str, Any], where: str) -> tu
         node = state.get(top)
         if isinstance(node, dict) and "state" in node and "param_groups" in node and rest.startswith("state/"):
             fqn, _, k = rest[len("state/"):].rpartition("/")
-            place((top, "state", fqn, k), _TensorSlot(name), who)
+            place((top, "state", canonical_name(fqn), k), _TensorSlot(name), who)
         else:
-            place((top, rest), _TensorSlot(name), who)
+            place((top, canonical_name(rest)), _TensorSlot(name), who)
     return state, owners
+
+
+def _canonical_params(group: Any) -> Any:
+    """A param group with its parameter names as the plain model has them."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return group
+    return {**group, "params": [canonical_name(p) if isinstance(p, str) else p for p in group["params"]]}
 
 
 def _keeps_dcp_keys(manifest: Manifest) -> bool:
