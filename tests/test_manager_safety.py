@@ -246,6 +246,18 @@ def test_a_new_run_does_not_lose_its_steps_to_an_abandoned_runs_newer_ones(job, 
     assert new.steps() == [101, 102]
     new.close()
 
+    # The memory tier's manager refuses the same way: its root holds committed steps it did not load.
+    tiered_root = tmp_path / "tiered"
+    with _manager(tiered_root, job, persist_every=1, persist_on_failure=False) as first:
+        first.save(7, _state(7))
+        first.wait()
+    clear_memory(job)
+    restarted_tier = _manager(tiered_root, job, persist_on_failure=False)
+    with pytest.raises(CheckpointError, match=r"holds committed step\(s\) \[7\] newer than step 1"):
+        restarted_tier.save(1, _state(1))
+    restarted_tier.close()
+    assert omnickpt.CheckpointManager(str(tiered_root), read_only=True).steps() == [7]
+
     # The same in memory: an earlier process of the job left step 50 (never in root); a new run
     # that saves without restoring must not have a restart pick step 50 over its own steps.
     other = tmp_path / "root2"
