@@ -117,9 +117,9 @@ def _write_atomically(path: str, text: str) -> None:
 
 class _StateOnly:
     """An object's state_dict()/load_state_dict() and nothing else. The Trainer's scheduler holds
-    Accelerate's optimizer wrapper as `.optimizer`, which omnickpt's lazy snapshot would take for the
-    optimizer to hook (it has no hooks of its own: AcceleratedOptimizer skips Optimizer.__init__); the
-    torch optimizer it wraps is in the state already."""
+    Accelerate's optimizer wrapper as `.optimizer`; the torch optimizer it wraps is in the state
+    already, under its own key, so the scheduler is saved as the Stateful it is and nothing else of it
+    is looked into (omnickpt's fence follows such wrappers to the optimizer that steps anyway)."""
 
     def __init__(self, obj: Any):
         self._obj = obj
