@@ -80,15 +80,16 @@ def _train_and_save(rank, world_size, paths):
     """Uninterrupted run; at SAVE_AT the same state is saved by torch DCP, omnickpt.dcp (sync) and
     omnickpt.dcp.async_save (awaited at the end, after more steps changed the state)."""
     model, opt, sched = _build(world_size)
-    losses, pending = [], None
+    losses, pending, full = [], None, None
     for step in range(1, STEPS + 1):
         losses.append(_step(model, opt, sched, step, rank))
         if step == SAVE_AT:
             torch_dcp.save(_state(model, opt, sched, step), checkpoint_id=paths["torch"])
             dcp.save(_state(model, opt, sched, step), checkpoint_id=paths["omnickpt"])
             pending = dcp.async_save(_state(model, opt, sched, step), checkpoint_id=paths["async"])
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+                    for k, v in get_state_dict(model, opt)[0].items()}   # the model as saved
     report = pending.result(timeout=120)
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in get_state_dict(model, opt)[0].items()}
     return losses, report["path"], full
 
 
@@ -123,7 +124,7 @@ def trained(tmp_path_factory):
     out = run_ranks(2, _train_and_save, paths)
     paths["export"] = str(root / "export")
     export_dcp(paths["omnickpt"], paths["export"], progress=False)
-    return {"paths": paths, "losses": [o[0] for o in out]}
+    return {"paths": paths, "losses": [o[0] for o in out], "saved": out[0][2]}
 
 
 def test_code_written_for_dcp_resumes_exactly_through_omnickpt_dcp(trained):
@@ -145,9 +146,9 @@ def test_a_two_rank_checkpoint_loads_on_one_rank(trained):
     (step, sched, full), (step2, sched2, full2) = run_ranks(
         1, _full_after_load, [trained["paths"]["omnickpt"], trained["paths"]["torch"]])[0]
     assert step == step2 == SAVE_AT and sched == sched2 and sched["last_epoch"] == SAVE_AT
-    assert full.keys() == full2.keys()
-    for k in full:
-        assert torch.equal(full[k], full2[k]), k
+    assert full.keys() == full2.keys() == trained["saved"].keys()
+    for k in full:   # both equal the 2-rank model as it was saved (not merely each other)
+        assert torch.equal(full[k], trained["saved"][k]) and torch.equal(full2[k], trained["saved"][k]), k
 
 
 # ---------------------------------------------------------------------- one process

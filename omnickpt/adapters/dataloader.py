@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from omnickpt.adapters.base import Adapter, LoadTarget, SaveItems
+from omnickpt.adapters.generic import process_rank
 from omnickpt.data import DP_STATE_KEYS, check_dp_rank, is_dp_state, is_dp_stateful
 from omnickpt.errors import CheckpointError, UnsupportedError
 from omnickpt.format.objects import encode_object
@@ -203,7 +204,7 @@ def load_dataloader(key: str, value: Any) -> LoadTarget:
             # The loader's own state_dict(), not omnickpt's per-rank record: a DCP folder's value (DCP
             # keeps one per key; torchtitan's loaders key theirs by dp rank inside it) or one saved by
             # the generic adapter. The loader picks its part, as it does under dcp.load.
-            value = by_rank.get(_process_rank(), by_rank[min(by_rank)])
+            value = by_rank.get(process_rank(), by_rank[min(by_rank)])
             view.loader.load_state_dict(value)
             return
         saved_dp_size, replicated, by_dp = _group_by_dp_rank(key, by_rank)
@@ -211,11 +212,6 @@ def load_dataloader(key: str, value: Any) -> LoadTarget:
 
     target.finish = finish
     return target
-
-
-def _process_rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def merged_loader_state(by_dp: dict[int, Any]) -> Any:

@@ -246,12 +246,15 @@ def _placed_destinations(key: str, manifest, plain: dict[str, torch.Tensor], dte
     with `allocate` (the saved value refers to it), into a new tensor installed in its place.
     Returns whether any was found."""
     found = False
-    prefix = f"{key}{SEP}"
-    for name, entry in manifest.tensors.items():
-        if name in dtensors or name in read or not (name == key or name.startswith(prefix)):
+    if allocate:     # every tensor under the entry's key: the saved value may refer to any of them
+        prefix = f"{key}{SEP}"
+        names = [n for n in manifest.tensors if n == key or n.startswith(prefix)]
+    else:            # the target's places only: one lookup each, not a scan per entry (10^4 entries)
+        names = [n for n in plain if n in manifest.tensors]
+    for name in names:
+        if name in dtensors or name in read or parse_per_rank_name(name) is not None:
             continue
-        if parse_per_rank_name(name) is not None:
-            continue
+        entry = manifest.tensors[name]
         dest = plain.get(name)
         if dest is None:
             if not allocate:

@@ -4,6 +4,8 @@ unit test; `Checkpointer.load` calls it on every rank between preparing the targ
 the reads."""
 from __future__ import annotations
 
+import bisect
+
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -64,6 +66,7 @@ def match_targets(manifest: Manifest, targets: Sequence[tuple[str, Any]], select
     `cast` (a temporary of its box in the saved dtype), else reported."""
     select = select or Selection()
     m = LoadMatch()
+    ordered = sorted(manifest.tensors)   # each target's names under its prefix by bisection, not a scan per target
     for _, t in targets:
         names = {s.name for s in t.shards}
         for s in t.shards:
@@ -86,8 +89,10 @@ def match_targets(manifest: Manifest, targets: Sequence[tuple[str, Any]], select
             else:
                 m.wanted.append((s.name, s.box))
                 m.dests.append(s.local)
-        for name in manifest.tensors:
-            if (name.startswith(t.prefix) or name == t.prefix.rstrip("/")) and name not in names and select.name(name):
+        exact = t.prefix.rstrip("/")
+        under = _names_under(ordered, t.prefix)
+        for name in ([exact] if exact in manifest.tensors and not exact.startswith(t.prefix) else []) + under:
+            if name not in names and select.name(name):
                 m.unexpected.add(name)
         for keys, into in ((t.objects, m.object_keys), (t.objects_from_all_ranks, m.all_rank_keys)):
             for key in keys:
@@ -96,3 +101,13 @@ def match_targets(manifest: Manifest, targets: Sequence[tuple[str, Any]], select
                 else:
                     m.differences.append(f"{key}: missing from the checkpoint (no saved value)")
     return m
+
+
+def _names_under(ordered: list[str], prefix: str) -> list[str]:
+    """The names of sorted `ordered` that start with `prefix` (a contiguous run of a sorted list)."""
+    out = []
+    for i in range(bisect.bisect_left(ordered, prefix), len(ordered)):
+        if not ordered[i].startswith(prefix):
+            break
+        out.append(ordered[i])
+    return out
