@@ -8,7 +8,7 @@ Foreign manifests name tensors as ours do, `<state key>/<name inside it>`, with 
 foreign format implies (`model` for a Hugging Face folder; the top-level keys of the state dict
 DCP saved); `bind_keys` renames them to the keys of the state being loaded when those differ.
 
-This package holds readers only (`hf.py`; `dcp/`, one module per idea), tried in the static order of
+This package holds readers only (`hf.py`; `dcp/` and `deepspeed/`, one module per idea), tried in the static order of
 `READERS`; writing those formats is omnickpt.export's, a layer above that reads through the checkpoint reader.
 """
 from __future__ import annotations
@@ -52,7 +52,12 @@ try:
     _DCP = ForeignReader("dcp", _dcp.read_manifest, as_saved=lambda storage: _dcp.read_manifest(storage, "as_saved"))
 except ImportError as e:
     _DCP = _unavailable("dcp", e)
-READERS: tuple[ForeignReader, ...] = (_HF, _DCP)
+try:
+    from omnickpt.formats import deepspeed as _deepspeed
+    _DEEPSPEED = ForeignReader("deepspeed", _deepspeed.read_manifest)
+except ImportError as e:
+    _DEEPSPEED = _unavailable("deepspeed", e)
+READERS: tuple[ForeignReader, ...] = (_HF, _DCP, _DEEPSPEED)
 
 
 NAMES = ("adapters", "as_saved")
@@ -120,7 +125,8 @@ def _found(storage: Storage) -> str:
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     return (f"; found {shown or 'nothing'}, none of which is a checkpoint this omnickpt reads: an omnickpt "
             f"{MANIFEST_NAME}, a Hugging Face model.safetensors (or model-*-of-*.safetensors with "
-            "model.safetensors.index.json), or a PyTorch DCP .metadata" + _missing_readers())
+            "model.safetensors.index.json), a PyTorch DCP .metadata, or a DeepSpeed checkpoint (`latest` and "
+            "*_model_states.pt)" + _missing_readers())
 
 
 def _missing_readers() -> str:

@@ -1,0 +1,264 @@
+"""DeepSpeed checkpoints read by omnickpt: ZeRO-1/2/3 tags written by the real `engine.save_checkpoint` at
+2 ranks (fp32 and bf16), and universal folders of DeepSpeed's own `ds_to_universal`, loaded at 1 rank
+(plain module + torch Adam) and 3 ranks (FSDP2), weights and Adam moments compared bitwise with what
+DeepSpeed itself holds (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state` at save time) and
+with `zero_to_fp32`'s reconstruction; hostile pickles, interrupted tags and model-parallel tags refused."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+deepspeed = pytest.importorskip("deepspeed")
+
+import omnickpt  # noqa: E402
+from omnickpt.errors import CorruptCheckpointError, MismatchError, NotCommittedError, UnsafeCheckpointError, UnsupportedError  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+ADAM = ("exp_avg", "exp_avg_sq")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # odd sizes: the partitions cut parameters in the middle and the flat buffers are padded
+    return nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def _config(stage: int, dtype: str) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _save_all(rank, world, root):
+    """Each case: an engine trained 3 steps, saved by DeepSpeed; DeepSpeed's own full view of its fp32 master
+    weights and Adam moments comes back from rank 0."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    for stage, dtype in CASES:
+        m = _model()
+        eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, dtype))
+        torch.manual_seed(1 + rank)
+        for _ in range(3):
+            x = torch.randn(2, 10, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+            loss = eng(x).float().pow(2).mean()
+            eng.backward(loss)
+            eng.step()
+        eng.save_checkpoint(f"{root}/z{stage}_{dtype}", tag="global_step3", client_state={"epoch": 7})
+        ref = {}
+        for name, p in eng.module.named_parameters():
+            ref[f"model/{name}"] = safe_get_full_fp32_param(p).clone()
+            for k in ADAM:
+                ref[f"optimizer/state/{name}/{k}"] = safe_get_full_optimizer_state(p, k).clone()
+        out[(stage, dtype)] = ref
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    refs = run_ranks(2, _save_all, str(root))[0]
+    return root, refs
+
+
+def _plain_load(path) -> dict[str, torch.Tensor]:
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    omnickpt.load(path, {"model": m, "optimizer": opt})
+    out = {f"model/{n}": p.detach().clone() for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        for k in ADAM:
+            out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].clone()
+        out[f"optimizer/state/{n}/step"] = opt.state[p]["step"].clone()
+    return out
+
+
+@pytest.mark.parametrize("stage,dtype", CASES)
+def test_zero_tag_loads_into_a_plain_module_exactly(saved, stage, dtype):
+    root, refs = saved
+    got = _plain_load(root / f"z{stage}_{dtype}")   # the folder with `latest`
+    for name, want in refs[(stage, dtype)].items():
+        assert torch.equal(got[name], want), name
+    assert all(float(got[f"optimizer/state/{n}/step"]) == 3.0 for n, _ in _model().named_parameters())
+    # zero_to_fp32's reconstruction of the weights, the same bits
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / f"z{stage}_{dtype}"))
+    for name, t in fp32.items():
+        assert torch.equal(got[f"model/{name}"], t.contiguous()), name
+
+
+def test_engine_state_and_client_state_are_objects(saved):
+    root, _ = saved
+    reader = omnickpt.open(root / "z2_bf16" / "global_step3")
+    assert reader.layout["format"] == "deepspeed" and reader.layout["zero_stage"] == 2
+    assert reader.layout["world_size"] == 2
+    objects = reader.objects()
+    assert objects["epoch"] == 7
+    assert objects["deepspeed"]["global_steps"] == 3 and objects["deepspeed"]["ds_config"]["bf16"]["enabled"]
+    assert [g["params"] for g in objects["optimizer"]["param_groups"]] == [[n for n, _ in _model().named_parameters()]]
+
+
+def _fsdp2_load(rank, world, path):
+    from torch.distributed.fsdp import fully_shard
+    m = _model()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(m)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    omnickpt.load(path, {"model": m, "optimizer": opt})
+    out = {}
+    for n, p in m.named_parameters():
+        out[f"model/{n}"] = p.full_tensor().clone()
+        for k in ADAM:
+            out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].full_tensor().clone()
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("stage,dtype", [(3, "fp32"), (1, "bf16")])
+def test_zero_tag_loads_into_three_fsdp2_ranks_exactly(saved, stage, dtype):
+    root, refs = saved
+    got = run_ranks(3, _fsdp2_load, str(root / f"z{stage}_{dtype}"))[0]
+    for name, want in refs[(stage, dtype)].items():
+        assert torch.equal(got[name], want), name
+
+
+def _universal(src: Path, dst: Path) -> None:
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+                    "--output_folder", str(dst), "--inject_missing_state", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"], check=True, capture_output=True,
+                   env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
+def _ds_universal_load(rank, world, folder, stage):
+    """DeepSpeed's own universal load into an engine at `world` ranks: its view of the weights and moments."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    deepspeed.init_distributed(dist_backend="gloo")
+    m = _model()
+    cfg = {**_config(stage, "fp32"), "checkpoint": {"load_universal": True}}
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    eng.load_checkpoint(folder, tag="universal")
+    out = {}
+    for name, p in eng.module.named_parameters():
+        out[f"model/{name}"] = safe_get_full_fp32_param(p).clone()
+        for k in ADAM:
+            out[f"optimizer/state/{name}/{k}"] = safe_get_full_optimizer_state(p, k).clone()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_universal_folder_loads_like_deepspeeds_own_universal_load(saved, tmp_path, stage):
+    root, refs = saved
+    _universal(root / f"z{stage}_fp32" / "global_step3", tmp_path / "universal")
+    got = _plain_load(tmp_path / "universal")
+    for name, want in refs[(stage, "fp32")].items():
+        assert torch.equal(got[name], want), name
+    assert omnickpt.open(tmp_path / "universal").layout["universal"] is True
+    theirs = run_ranks(1, _ds_universal_load, str(tmp_path), stage)[0]
+    for name, want in theirs.items():
+        assert torch.equal(got[name], want), name
+
+
+# ---------------------------------------------------------------------- refusals
+class _Hostile:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_pickle_raises_unsafe_and_runs_nothing(saved, tmp_path):
+    root, _ = saved
+    tag = tmp_path / "z1"
+    shutil.copytree(root / "z1_fp32" / "global_step3", tag)
+    marker = tmp_path / "ran"
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": [{}], "evil": _Hostile(str(marker))},
+               tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_00_model_states\.pt.*posix\.system|system"):
+        omnickpt.open(tag)
+    with pytest.raises(UnsafeCheckpointError):
+        omnickpt.load(tag, {"model": _model()})
+    assert not marker.exists()
+    # the hostile global in an optimizer file is refused the same way, by file name
+    tag2 = tmp_path / "z1b"
+    shutil.copytree(root / "z1_fp32" / "global_step3", tag2)
+    torch.save({"optimizer_state_dict": {"x": _Hostile(str(marker))}}, tag2 / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        omnickpt.open(tag2)
+    assert not marker.exists()
+
+
+def test_a_pickle_that_builds_state_on_a_shared_object_is_refused(saved, tmp_path):
+    tag = tmp_path / "z"
+    shutil.copytree(saved[0] / "z1_fp32" / "global_step3", tag)
+    # BUILD onto a dtype (a process-wide object) instead of onto a record
+    payload = b"\x80\x02ctorch\nfloat32\n}X\x01\x00\x00\x00aK\x01sb."
+    with zipfile.ZipFile(tag / "mp_rank_00_model_states.pt", "w") as z:
+        z.writestr("archive/data.pkl", payload)
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_00_model_states\.pt.*BUILD"):
+        omnickpt.open(tag)
+    assert not hasattr(torch.float32, "a")
+
+
+def test_latest_naming_an_unfinished_tag_is_refused_by_name(saved, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(saved[0] / "z2_fp32", root)
+    (root / "latest").write_text("global_step9")      # DeepSpeed wrote `latest`, the crash lost the tag
+    with pytest.raises(NotCommittedError, match=r"global_step9.*interrupted.*global_step3"):
+        omnickpt.load(root, {"model": _model()})
+    (root / "latest").write_text("global_step3")
+    os.remove(root / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(NotCommittedError, match=r"rank.*missing"):
+        omnickpt.load(root, {"model": _model()})
+
+
+def test_model_parallel_and_pipeline_tags_are_refused_by_name(saved, tmp_path):
+    tag = tmp_path / "tp"
+    shutil.copytree(saved[0] / "z1_fp32" / "global_step3", tag)
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(UnsupportedError, match=r"model-parallel.*mp_rank 0, 1.*ds_to_universal"):
+        omnickpt.open(tag)
+    pp = tmp_path / "pp"
+    shutil.copytree(saved[0] / "z1_fp32" / "global_step3", pp)
+    shutil.copy(pp / "mp_rank_00_model_states.pt", pp / "layer_01-model_00-model_states.pt")
+    with pytest.raises(UnsupportedError, match="pipeline-parallel"):
+        omnickpt.open(pp)
+
+
+def test_a_shape_mismatch_names_the_tensor(saved):
+    m = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3))
+    with pytest.raises(MismatchError, match=r"0\.weight"):
+        omnickpt.load(saved[0] / "z3_fp32", {"model": m})
+
+
+# ---------------------------------------------------------------------- the tools
+def test_tools_read_a_deepspeed_tag(saved, tmp_path):
+    root, refs = saved
+    tag = root / "z3_bf16" / "global_step3"
+    cli = [sys.executable, "-m", "omnickpt"]
+    shown = subprocess.run([*cli, "inspect", str(tag)], capture_output=True, text=True, check=True).stdout
+    assert "deepspeed" in shown and "model/0.weight" in shown
+    subprocess.run([*cli, "verify", str(tag)], capture_output=True, text=True, check=True)
+    for to in ("omnickpt", "hf", "dcp"):
+        subprocess.run([*cli, "convert", str(tag), str(tmp_path / to), "--to", to], capture_output=True, text=True,
+                       check=True)
+    mine = omnickpt.open(tmp_path / "omnickpt")
+    assert torch.equal(mine.get("model/2.weight"), refs[(3, "bf16")]["model/2.weight"])
+    assert torch.equal(mine.get("optimizer/state/2.weight/exp_avg"), refs[(3, "bf16")]["optimizer/state/2.weight/exp_avg"])
+    assert not omnickpt.diff(tag, tmp_path / "omnickpt").differs
+    from safetensors.torch import load_file
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(hf["0.weight"], refs[(3, "bf16")]["model/0.weight"])
