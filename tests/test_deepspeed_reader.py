@@ -135,6 +135,33 @@ def test_zero_tag_loads_into_three_fsdp2_ranks_exactly(saved, stage, dtype):
         assert torch.equal(got[name], want), name
 
 
+def _two_d_load(rank, world, path):
+    """FSDP2 x tensor parallel on a 2 x 2 mesh: layer 0 column-wise, layer 2 row-wise, all sharded over dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = parallelize_module(_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    omnickpt.load(path, {"model": m, "optimizer": opt})
+    out = {}
+    for n, p in m.named_parameters():
+        out[f"model/{n}"] = p.full_tensor().clone()
+        for k in ADAM:
+            out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].full_tensor().clone()
+    return out if rank == 0 else None
+
+
+def test_zero_tag_loads_into_a_two_d_mesh_exactly(saved):
+    root, refs = saved
+    got = run_ranks(4, _two_d_load, str(root / "z2_fp32"))[0]
+    for name, want in refs[(2, "fp32")].items():
+        assert torch.equal(got[name], want), name
+
+
 def _universal(src: Path, dst: Path) -> None:
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
                     "--output_folder", str(dst), "--inject_missing_state", "--num_extract_workers", "1",
