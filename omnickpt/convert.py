@@ -1,10 +1,10 @@
-"""Convert a checkpoint between formats: to a Hugging Face folder, to PyTorch DCP, or into omnickpt.
+"""Convert a checkpoint between formats: to a Hugging Face folder, to PyTorch DCP, to DeepSpeed, or into omnickpt.
 
     from omnickpt.convert import convert
     convert("ckpt/global_step_100", "hf/step100", to="hf", key="model", dtype="bfloat16")
     convert("hf/llama", "ckpt/llama", to="omnickpt")          # any format omnickpt reads, into ours
 
-`to="hf"` and `to="dcp"` hand over to the exporters of omnickpt/export/. `to="omnickpt"` is
+`to="hf"`, `to="dcp"` and `to="deepspeed"` hand over to the exporters of omnickpt/export/. `to="omnickpt"` is
 here: it streams the source through a CheckpointReader into a new omnickpt checkpoint, part by
 part, so that memory holds one part (at most `max_shard_size` bytes, default PART_BYTES), not
 the whole checkpoint. The public save path cannot do that: `save()` snapshots the whole state
@@ -42,7 +42,7 @@ import torch
 from omnickpt.engine.save import tensor_bytes_view
 from omnickpt.format import DATA_DIR
 from omnickpt.errors import CheckpointError, UnsupportedError
-from omnickpt.export import export_dcp, export_hf
+from omnickpt.export import export_dcp, export_deepspeed, export_hf
 from omnickpt.export.destination import refuse_occupied
 from omnickpt.export.hf import TOP_LEVEL
 from omnickpt.export.mapping import MappingFn
@@ -57,7 +57,7 @@ from omnickpt.planner.save_plan import ALIGN
 from omnickpt.reader import CheckpointReader, as_dtype, slab_boxes
 from omnickpt.storage import Segment, Storage, storage_for
 
-TARGETS = ("hf", "dcp", "omnickpt")
+TARGETS = ("hf", "dcp", "deepspeed", "omnickpt")
 # Default largest data file of a conversion into omnickpt, and so the memory it holds at once.
 PART_BYTES = 1 << 30
 # The Hugging Face default (transformers' save_pretrained): 5 GB shards.
@@ -153,12 +153,18 @@ def load_mapping(text: str) -> MappingFn:
 # ---------------------------------------------------------------------- entry point
 def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch.dtype | str | None = None,
             max_shard_size: int | str | None = None, transforms: Sequence[Any] = (), progress: bool = True,
-            workers: int = 4, allow_lossy_cast: bool = False, mapping: MappingFn | str | None = None) -> dict:
+            workers: int = 4, allow_lossy_cast: bool = False, mapping: MappingFn | str | None = None,
+            optimizer_key: str | None = None, tag: str | None = None, overwrite: bool = False) -> dict:
     """Write the checkpoint at `src` (any format omnickpt reads) as a new checkpoint at `dst` in
-    format `to`: "hf" (a Hugging Face safetensors folder), "dcp" (PyTorch DCP) or "omnickpt".
+    format `to`: "hf" (a Hugging Face safetensors folder), "dcp" (PyTorch DCP), "deepspeed" (a DeepSpeed
+    universal checkpoint, export_deepspeed: docs/deepspeed_export.md) or "omnickpt".
 
     `dst` must not exist or be an empty directory: a conversion never overwrites anything; nor may it
     lie inside `src` or a folder `src` references, or hold `src` (CheckpointError naming both).
+    to="deepspeed" is the exception: `dst` may be a DeepSpeed checkpoint folder with other tags and files, and
+    is refused only when it holds `latest`, `latest_universal` or the tag, unless `overwrite`. Its `key` is
+    the model's entry, `optimizer_key` the optimizer's (both inferred when not given), `tag` the tag folder
+    (default "global_step<N>"); these three options are taken by to="deepspeed" only.
     `key` keeps only one state key's tensors (and its objects: with to="omnickpt"), e.g. "model"; with to="hf"
     it is the entry exported as the model (never an optimizer's), "" or "." for the tensors saved at the top
     level of the state (a flat model: omnickpt.save(path, {"layer.weight": t, ...}));
@@ -183,7 +189,12 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r}; use one of {', '.join(TARGETS)}")
     refuse_nested(str(src), str(dst))
-    _refuse_non_empty(storage_for(str(dst)))
+    given = [n for n, v in (("optimizer_key", optimizer_key), ("tag", tag), ("overwrite", overwrite)) if v]
+    if given and to != "deepspeed":
+        raise UnsupportedError(f"convert to {to} takes no {', '.join(given)}: those name what a DeepSpeed checkpoint "
+                               "holds; convert to deepspeed")
+    if to != "deepspeed":   # export_deepspeed checks for the DeepSpeed checkpoint files it would replace
+        _refuse_non_empty(storage_for(str(dst)))
     cast = _float_dtype(dtype)
     size = parse_size(max_shard_size) if max_shard_size is not None else None
     if mapping is not None and to != "hf":
@@ -205,6 +216,10 @@ def convert(src: str, dst: str, *, to: str, key: str | None = None, dtype: torch
         result, lossy = _convert_hf(str(src), str(dst), source, key=key, dtype=cast, size=size,
                                     transforms=transforms, progress=progress, workers=workers,
                                     allow_lossy_cast=allow_lossy_cast, mapping=mapping)
+    elif to == "deepspeed":
+        result, lossy = _convert_deepspeed(str(src), str(dst), source, key=key, dtype=cast, size=size,
+                                           transforms=transforms, progress=progress, optimizer_key=optimizer_key,
+                                           tag=tag, overwrite=overwrite)
     else:
         result, lossy = _convert_dcp(str(src), str(dst), source, key=key, dtype=cast, size=size,
                                      transforms=transforms, progress=progress)
@@ -249,6 +264,22 @@ def _convert_dcp(src: str, dst: str, source: Manifest, *, key: str | None, dtype
         raise UnsupportedError(f"convert to dcp takes no {', '.join(given)}: PyTorch DCP stores the checkpoint's "
                                "tensors as they are (convert to omnickpt first to select, cast or transform)")
     return export_dcp(src, dst, progress=progress), dict(source.quantized)
+
+
+def _convert_deepspeed(src: str, dst: str, source: Manifest, *, key: str | None, dtype: torch.dtype | None,
+                       size: int | None, transforms: Sequence[Any], progress: bool, optimizer_key: str | None,
+                       tag: str | None, overwrite: bool) -> tuple[dict, dict[str, dict]]:
+    """convert(to="deepspeed"): (export_deepspeed's summary, the source's lossy records). UnsupportedError for
+    dtype, max_shard_size and transforms: DeepSpeed's universal tensors are fp32, one file each, under the
+    engine's parameter names."""
+    given = [n for n, v in (("dtype", dtype), ("max_shard_size", size), ("transforms", tuple(transforms))) if v]
+    if given:
+        raise UnsupportedError(f"convert to deepspeed takes no {', '.join(given)}: a DeepSpeed universal checkpoint "
+                               "holds fp32 tensors, one file per tensor, under the model's parameter names "
+                               "(convert to omnickpt first to rename or transform)")
+    result = export_deepspeed(src, dst, tag=tag, model_key=key, optimizer_key=optimizer_key, overwrite=overwrite,
+                              progress=progress)
+    return result, dict(source.quantized)
 
 
 def _summary(result: dict | None, to: str, dst: str, lossy: dict[str, dict]) -> dict:

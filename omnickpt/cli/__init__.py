@@ -5,8 +5,9 @@
     omnickpt verify PATH [--json] [--workers N] completeness and every checksum; exit 1 on a problem
     omnickpt diff A B [--atol X] [--rtol Y] [--include GLOB]... [--exclude GLOB]... [--all] [--json]
                                                 what differs between two checkpoints; exit 1 when they differ
-    omnickpt convert SRC DST --to hf|dcp|omnickpt [--key K] [--dtype D [--allow-lossy-cast]] [--max-shard-size S]
-                     [--transform T]... [--mapping MODULE:FUNCTION]
+    omnickpt convert SRC DST --to hf|dcp|deepspeed|omnickpt [--key K] [--dtype D [--allow-lossy-cast]]
+                     [--max-shard-size S] [--transform T]... [--mapping MODULE:FUNCTION]
+                     [--optimizer-key K] [--tag T] [--overwrite]   (the last three: deepspeed only)
                                                 write a checkpoint in another format (never over existing files,
                                                 never inside SRC)
     omnickpt report PATH [--json] [--png FILE] [--trace FILE]
@@ -123,16 +124,20 @@ def _parser() -> argparse.ArgumentParser:
     dif.add_argument("--all", action="store_true", help="list identical tensors and objects too")
     dif.add_argument("--json", action="store_true", help="print the comparison as JSON")
     dif.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
-    con = sub.add_parser("convert", help="write a checkpoint in another format (hf, dcp, omnickpt)",
+    con = sub.add_parser("convert", help="write a checkpoint in another format (hf, dcp, deepspeed, omnickpt)",
                          description="Write SRC (any format omnickpt reads) as a new checkpoint DST: a Hugging Face "
-                                     "safetensors folder (hf), PyTorch DCP (dcp) or omnickpt. DST must not exist or "
-                                     "be empty. Transforms are written as Python calls of omnickpt.transforms with "
-                                     "literal arguments (parsed, never evaluated), e.g. --transform "
+                                     "safetensors folder (hf), PyTorch DCP (dcp), a DeepSpeed universal checkpoint "
+                                     "(deepspeed: a model and its Adam state, for engine.load_checkpoint with "
+                                     "load_universal) or omnickpt. DST must not exist or be empty (deepspeed: hold "
+                                     "no latest, latest_universal or the tag, unless --overwrite). Transforms are "
+                                     "written as Python calls of omnickpt.transforms with literal arguments (parsed, "
+                                     "never evaluated), e.g. --transform "
                                      "'Rename({\"decoder.layers.*.mlp.fc1.weight\": \"layers.*.fc1.weight\"})' "
                                      "or --transform 'Rename.regex(\"^model/module\\\\.\", \"model/\")'.")
     con.add_argument("src", metavar="SRC", help="the checkpoint to convert")
     con.add_argument("dst", metavar="DST", help="where to write it (must not exist, or be empty)")
-    con.add_argument("--to", required=True, choices=("hf", "dcp", "omnickpt"), help="the format to write")
+    con.add_argument("--to", required=True, choices=("hf", "dcp", "deepspeed", "omnickpt"),
+                     help="the format to write")
     con.add_argument("--key", metavar="KEY",
                      help="only this state key's tensors (hf: the entry exported as the model, never an optimizer's; "
                           "default: the only entry holding a model's tensors, else 'model'; '.' for the tensors "
@@ -154,6 +159,13 @@ def _parser() -> argparse.ArgumentParser:
                           "e.g. one wrapping torchtitan's StateDictAdapter.to_hf (renames and permutes q/k rows), "
                           "called on one layer's tensors at a time. It is IMPORTED, which runs that module's code "
                           "(the current directory is on the import path): name only code you trust")
+    con.add_argument("--optimizer-key", metavar="KEY",
+                     help="deepspeed only: the state key of the optimizer (default: the entry holding one; --key "
+                          "names the model's)")
+    con.add_argument("--tag", metavar="TAG", help="deepspeed only: the tag folder to write (default global_step<N>)")
+    con.add_argument("--overwrite", action="store_true",
+                     help="deepspeed only: replace the DeepSpeed checkpoint DST holds (its latest pointers and a tag "
+                          "of the same name; the old tag is removed once the new one is complete)")
     con.add_argument("--json", action="store_true", help="print the result as JSON")
     con.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     rep = sub.add_parser("report", help="per-rank, per-phase timings of the save that wrote a checkpoint",
@@ -226,13 +238,15 @@ def _convert(args) -> int:
     from omnickpt.convert import convert
     result = convert(args.src, args.dst, to=args.to, key=args.key, dtype=args.dtype,
                      max_shard_size=args.max_shard_size, transforms=args.transform, progress=_progress(args),
-                     allow_lossy_cast=args.allow_lossy_cast, mapping=args.mapping)
+                     allow_lossy_cast=args.allow_lossy_cast, mapping=args.mapping,
+                     optimizer_key=args.optimizer_key, tag=args.tag, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         # an hf export lists its files by name: counted here, as the other targets count theirs
         details = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}"
-                            for k in ("tensors", "objects", "files", "bytes") if (v := result.get(k)) is not None)
+                            for k in ("tag", "params", "tensors", "objects", "files", "bytes")
+                            if (v := result.get(k)) is not None)
         # which entry an hf export wrote: the exporter picks it when --key is not given
         source = f" from {result['entry']}" if result.get("entry") else ""
         print(f"converted {args.src} -> {result['path']} ({args.to}){source}" + (f": {details}" if details else "")
