@@ -86,13 +86,18 @@ def _modules_in(state: dict) -> Iterable[nn.Module]:
 
 def step_stable_storages(state: dict) -> set[int]:
     """Addresses of the storages that only an optimizer step changes: the local data of every
-    parameter of the state's modules and every tensor of its optimizers' states. A saved shard whose
-    storage is one of these may be copied lazily; anything else is copied before save() returns."""
+    parameter of the state's modules, every parameter its optimizers step (a ZeRO optimizer's inner
+    optimizer steps fp32 master partitions that no module holds) and every tensor of its optimizers'
+    states. A saved shard whose storage is one of these may be copied lazily; anything else is copied
+    before save() returns."""
     out: set[int] = set()
     for module in _modules_in(state):
         for p in module.parameters():
             out.add(_local(p).untyped_storage().data_ptr())
     for opt in optimizers_in(state):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.add(_local(p).untyped_storage().data_ptr())
         for per_param in opt.state.values():
             for v in per_param.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:   # a step count changes every step: eager

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard
 from omnickpt.adapters.dataloader import DataLoaderAdapter
+from omnickpt.adapters.deepspeed import DeepSpeedEngineAdapter, DeepSpeedOptimizerAdapter
 from omnickpt.adapters.fsdp1 import Fsdp1Adapter
 from omnickpt.adapters.generic import MIN_TENSOR_BYTES, GenericAdapter
 from omnickpt.adapters.megatron import MegatronModelAdapter, MegatronOptimizerAdapter
@@ -22,6 +23,8 @@ from omnickpt.errors import UnsupportedError
 from omnickpt.format.objects import tensor_problem, utf8_problem
 
 ADAPTERS: tuple[Adapter, ...] = (
+    DeepSpeedEngineAdapter(),     # a DeepSpeedEngine is an nn.Module: before ModuleAdapter ('module.' names)
+    DeepSpeedOptimizerAdapter(),  # engine.optimizer (a ZeRO wrapper, or a torch optimizer at ZeRO-0): first
     MegatronModelAdapter(),       # a MegatronModule is an nn.Module: before ModuleAdapter
     MegatronOptimizerAdapter(),   # a torch optimizer over a Megatron model: before OptimizerAdapter
     Fsdp1Adapter(),               # an FSDP1 module: before ModuleAdapter, whose state_dict() would all-gather
@@ -158,7 +161,8 @@ def check_framework(state: dict, framework: str | None, adapters: Sequence[Adapt
             ", ".join(f"{k!r}: {f}" for k, f in wrong.items()) + "; omit framework= to detect it")
 
 
-__all__ = ["ADAPTERS", "FRAMEWORKS", "MIN_TENSOR_BYTES", "Adapter", "DataLoaderAdapter", "Fsdp1Adapter",
+__all__ = ["ADAPTERS", "FRAMEWORKS", "MIN_TENSOR_BYTES", "Adapter", "DataLoaderAdapter", "DeepSpeedEngineAdapter",
+           "DeepSpeedOptimizerAdapter", "Fsdp1Adapter",
            "GenericAdapter", "LoadTarget", "MegatronModelAdapter", "MegatronOptimizerAdapter", "ModuleAdapter",
            "OptimizerAdapter", "RNGState", "SaveItems", "TensorShard", "adapter_for", "as_registry",
            "check_framework", "collect_load", "collect_save", "detect_framework", "frameworks"]
