@@ -362,3 +362,37 @@ def test_tools_read_a_deepspeed_tag(saved, tmp_path):
     from safetensors.torch import load_file
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(hf["0.weight"], refs[(3, "bf16")]["model/0.weight"])
+
+
+# ---------------------------------------------------------------------- into a live engine, no offline step
+def _into_engine(rank, world, tag, stage):
+    """A ZeRO-3 tag of 2 ranks into an engine of `world` ranks at another stage, by omnickpt's load_checkpoint."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from omnickpt.integrations.deepspeed import load_checkpoint
+    deepspeed.init_distributed(dist_backend="gloo")
+    m = nn.Sequential(*[nn.Linear(i, o) for i, o in ((10, 7), (7, 5), (5, 3))])   # other initial weights
+    m.insert(1, nn.ReLU())
+    m.insert(3, nn.ReLU())
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, "fp32"))
+    client = load_checkpoint(eng, tag)
+    out = {"client": client, "global_steps": eng.global_steps}
+    for name, p in eng.module.named_parameters():
+        out[f"model/{name}"] = safe_get_full_fp32_param(p).clone()
+        for k in ADAM:
+            out[f"optimizer/state/{name}/{k}"] = safe_get_full_optimizer_state(p, k).clone()
+    x = torch.randn(2, 10)
+    loss = eng(x).pow(2).mean()
+    eng.backward(loss)
+    eng.step()          # and training goes on from it
+    out["stepped"] = bool(torch.isfinite(loss))
+    return out
+
+
+def test_a_zero3_tag_of_two_ranks_loads_into_a_zero1_engine_of_one(saved):
+    root, refs = saved
+    got = run_ranks(1, _into_engine, str(root / "z3_fp32"), 1)[0]
+    for name, want in refs[(3, "fp32")].items():
+        assert torch.equal(got[name], want), name
+    assert got["client"] == {"epoch": 7} and got["global_steps"] == 3 and got["stepped"]
+    assert omnickpt.open(root / "z3_fp32").layout["frameworks"]["optimizer"] == "torch.optim.adamw.AdamW"

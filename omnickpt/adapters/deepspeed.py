@@ -527,11 +527,23 @@ def load_engine_optimizer(key: str, layout: EngineLayout) -> LoadTarget:
         if not mismatched and not check(objects):
             for sg, g in zip(saved["param_groups"], inner.param_groups):
                 g.update({k: v for k, v in sg.items() if k != "params"})
+        _relink_optimizer_state(layout.optimizer)
 
     target.prepare = prepare
     target.check = check
     target.finish = finish
     return target
+
+
+def _relink_optimizer_state(wrapper: Any) -> None:
+    """Point each parameter's `_hp_mapping` at the optimizer state now installed. ZeRO-1/2 and BF16_Optimizer
+    link it only after their first step (`_lazy_init_hp_params_optimizer_state`, once): without this, an engine
+    loaded before it ever stepped answers safe_get_full_optimizer_state with an error, and one whose state
+    tensors were replaced with the old ones, as DeepSpeed's own load relinks them."""
+    relink = getattr(wrapper, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(relink) and hasattr(wrapper, "_hp_optimizer_states_linked"):
+        wrapper._hp_optimizer_states_linked = False
+        relink()
 
 
 class DeepSpeedOptimizerAdapter(Adapter):

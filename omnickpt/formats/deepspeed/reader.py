@@ -345,9 +345,21 @@ def _manifest(opened: dict[str, Archive], tensors: dict[str, Planned], objects: 
             boxes.extend(_boxes(name, planned, piece, opened[piece.file], index[piece.file]))
         entries[name] = TensorEntry(planned.shape, dtype_name(planned.dtype), boxes)
     layout = {"format": "deepspeed", **info, "implied_keys": [MODEL_KEY, OPTIMIZER_KEY],
-              "frameworks": {MODEL_KEY: "deepspeed", OPTIMIZER_KEY: "torch.optim.adam.Adam"}}
+              "frameworks": {MODEL_KEY: "deepspeed", OPTIMIZER_KEY: _optimizer_kind(objects)}}
     return Manifest(save_id=f"deepspeed:{info.get('tag') or ''}", world_size=info["world_size"], files=files,
                     tensors=entries, objects={k: [_inline(v, k)] for k, v in objects.items()}, layout=layout)
+
+
+def _optimizer_kind(objects: dict[str, Any]) -> str:
+    """The torch optimizer DeepSpeed's config built (the files do not name it): {"type": "Adam"} is torch's
+    AdamW unless adam_w_mode is false, as a live engine's adapter records it."""
+    config = (objects.get(ENGINE_KEY) or {}).get("ds_config") or {}
+    opt = config.get("optimizer") if isinstance(config, dict) else None
+    kind = str(opt.get("type", "")).lower() if isinstance(opt, dict) else ""
+    params = opt.get("params") if isinstance(opt, dict) and isinstance(opt.get("params"), dict) else {}
+    if kind == "adamw" or (kind == "adam" and params.get("adam_w_mode", True) is not False):
+        return "torch.optim.adamw.AdamW"
+    return "torch.optim.adam.Adam"
 
 
 def _boxes(name: str, planned: Planned, piece: Piece, archive: Archive, file: int) -> list[SavedBox]:
