@@ -95,8 +95,11 @@ def step_stable_storages(state: dict) -> set[int]:
         for p in module.parameters():
             out.add(_local(p).untyped_storage().data_ptr())
     for opt in optimizers_in(state):
-        for group in opt.param_groups:
-            for p in group["params"]:
+        # the parameters an optimizer steps: those of its groups, and those its state is kept for (ZeRO-3
+        # puts each fp32 sub-group into its groups only for the length of its step)
+        stepped = [p for group in opt.param_groups for p in group["params"]] + list(opt.state)
+        for p in stepped:
+            if isinstance(p, torch.Tensor):
                 out.add(_local(p).untyped_storage().data_ptr())
         for per_param in opt.state.values():
             for v in per_param.values():
