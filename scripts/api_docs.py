@@ -40,6 +40,11 @@ MODULES = (
                                         "([integrations/lightning.md](integrations/lightning.md))."),
     ("omnickpt.integrations.hf_trainer", "A Hugging Face `Trainer` saving and resuming through omnickpt "
                                          "([integrations/hf_trainer.md](integrations/hf_trainer.md))."),
+    ("omnickpt.integrations.deepspeed", "A live DeepSpeed engine's whole state through omnickpt "
+                                        "([integrations/deepspeed.md](integrations/deepspeed.md), "
+                                        "[deepspeed.md](deepspeed.md))."),
+    ("omnickpt.export", "Writing other formats from any checkpoint omnickpt reads: Hugging Face, DCP, "
+                        "DeepSpeed universal ([deepspeed_export.md](deepspeed_export.md))."),
 )
 
 HEADER = """# API reference
