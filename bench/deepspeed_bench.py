@@ -6,7 +6,7 @@
 `reshard`: a ZeRO checkpoint written by `engine.save_checkpoint` at 2 ranks is read into 1 rank, two ways:
   - DeepSpeed: `ds_to_universal` (its offline converter, a process of its own, 1 worker each way), then an
     engine at DP 1 with `load_universal` calls `load_checkpoint`;
-  - omnickpt: `omnickpt.load(tag, {"model": m, "optimizer": adam})` into a plain module at 1 rank (the same
+  - omnickpt: `omnickpt.load(tag, {"model": m, "optimizer": adam})` into a plain module + AdamW at 1 rank (the same
     fp32 weights and Adam moments).
   Each step runs in a fresh process with the checkpoint's pages dropped from the cache first (a restarted
   job reads cold). Reported: seconds and peak RSS (the process's maximum resident set; for the converter,
@@ -84,7 +84,7 @@ def _omnickpt_load(rank, world, tag, width, layers):
     import torch
     import omnickpt
     m = _model(width, layers)
-    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     base = _rss_mb()
     t = time.perf_counter()
     omnickpt.load(tag, {"model": m, "optimizer": opt})

@@ -1,6 +1,6 @@
 """DeepSpeed checkpoints read by omnickpt: ZeRO-1/2/3 tags written by the real `engine.save_checkpoint` at
 2 ranks (fp32 and bf16), and universal folders of DeepSpeed's own `ds_to_universal`, loaded at 1 rank
-(plain module + torch Adam) and 3 ranks (FSDP2), weights and Adam moments compared bitwise with what
+(plain module + torch AdamW, what DeepSpeed's "Adam" steps) and 3 ranks (FSDP2), weights and Adam moments compared bitwise with what
 DeepSpeed itself holds (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state` at save time) and
 with `zero_to_fp32`'s reconstruction; hostile pickles, interrupted tags and model-parallel tags refused."""
 from __future__ import annotations
@@ -102,7 +102,7 @@ def saved(tmp_path_factory):
 
 def _plain_load(path) -> dict[str, torch.Tensor]:
     m = _model()
-    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     omnickpt.load(path, {"model": m, "optimizer": opt})
     out = {f"model/{n}": p.detach().clone() for n, p in m.named_parameters()}
     for n, p in m.named_parameters():
@@ -139,7 +139,7 @@ def test_groups_frozen_layers_and_buffers_load_exactly(saved, stage, tmp_path):
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
-    opt = torch.optim.Adam(_groups(m), lr=1e-2)
+    opt = torch.optim.AdamW(_groups(m), lr=1e-2)
     omnickpt.load(root / f"z{stage}_rich", {"model": m, "optimizer": opt})
     named = dict(m.named_parameters())
     for key, want in ref.items():
@@ -171,6 +171,18 @@ def test_engine_state_and_client_state_are_objects(saved):
     assert [g["params"] for g in objects["optimizer"]["param_groups"]] == [[n for n, _ in _model().named_parameters()]]
 
 
+def _load_full(m: nn.Module, path) -> dict[str, torch.Tensor]:
+    """Load `path` into sharded module `m` and a torch Adam over it; every weight and moment gathered whole."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    omnickpt.load(path, {"model": m, "optimizer": opt})
+    out = {}
+    for n, p in m.named_parameters():
+        out[f"model/{n}"] = p.full_tensor().clone()
+        for k in ADAM:
+            out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].full_tensor().clone()
+    return out
+
+
 def _fsdp2_load(rank, world, paths):
     from torch.distributed.fsdp import fully_shard
     outs = []
@@ -180,14 +192,7 @@ def _fsdp2_load(rank, world, paths):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(m)
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        omnickpt.load(path, {"model": m, "optimizer": opt})
-        out = {}
-        for n, p in m.named_parameters():
-            out[f"model/{n}"] = p.full_tensor().clone()
-            for k in ADAM:
-                out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].full_tensor().clone()
-        outs.append(out)
+        outs.append(_load_full(m, path))
     return outs if rank == 0 else None
 
 
@@ -210,13 +215,7 @@ def _two_d_load(rank, world, path):
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh["dp"])
-    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    omnickpt.load(path, {"model": m, "optimizer": opt})
-    out = {}
-    for n, p in m.named_parameters():
-        out[f"model/{n}"] = p.full_tensor().clone()
-        for k in ADAM:
-            out[f"optimizer/state/{n}/{k}"] = opt.state[p][k].full_tensor().clone()
+    out = _load_full(m, path)
     return out if rank == 0 else None
 
 
