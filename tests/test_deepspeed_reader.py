@@ -198,7 +198,7 @@ def _fsdp2_load(rank, world, paths):
 
 def test_zero_tags_load_into_three_fsdp2_ranks_exactly(saved):
     root, refs = saved
-    cases = [(3, "fp32"), (1, "bf16")]
+    cases = CASES
     got = run_ranks(3, _fsdp2_load, [str(root / f"z{stage}_{dtype}") for stage, dtype in cases])[0]
     for case, mine in zip(cases, got):
         for name, want in refs[case].items():
@@ -239,9 +239,9 @@ def _ds_universal_load(rank, world, cases):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     deepspeed.init_distributed(dist_backend="gloo")
     outs = []
-    for folder, stage in cases:
+    for folder, stage, dtype in cases:
         m = _model()
-        cfg = {**_config(stage, "fp32"), "checkpoint": {"load_universal": True}}
+        cfg = {**_config(stage, dtype), "checkpoint": {"load_universal": True}}
         eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
         eng.load_checkpoint(folder, tag="universal")
         out = {}
@@ -256,17 +256,18 @@ def _ds_universal_load(rank, world, cases):
 def test_universal_folders_load_like_deepspeeds_own_universal_load(saved, tmp_path):
     root, refs = saved
     cases = []
-    for stage in (1, 3):
-        _universal(root / f"z{stage}_fp32" / "global_step3", tmp_path / f"u{stage}" / "universal")
-        got = _plain_load(tmp_path / f"u{stage}" / "universal")
-        for name, want in refs[(stage, "fp32")].items():
-            assert torch.equal(got[name], want), (stage, name)
-        assert omnickpt.open(tmp_path / f"u{stage}" / "universal").layout["universal"] is True
-        cases.append((got, stage))
-    theirs = run_ranks(1, _ds_universal_load, [(str(tmp_path / f"u{stage}"), stage) for _, stage in cases])[0]
-    for (got, stage), their in zip(cases, theirs):
+    for stage, dtype in [(1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")]:
+        folder = tmp_path / f"u{stage}{dtype}"
+        _universal(root / f"z{stage}_{dtype}" / "global_step3", folder / "universal")
+        got = _plain_load(folder / "universal")
+        for name, want in refs[(stage, dtype)].items():
+            assert torch.equal(got[name], want), (stage, dtype, name)
+        assert omnickpt.open(folder / "universal").layout["universal"] is True
+        cases.append((got, (str(folder), stage, dtype)))
+    theirs = run_ranks(1, _ds_universal_load, [case for _, case in cases])[0]
+    for (got, case), their in zip(cases, theirs):
         for name, want in their.items():
-            assert torch.equal(got[name], want), (stage, name)
+            assert torch.equal(got[name], want), (case, name)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -352,8 +353,11 @@ def test_tools_read_a_deepspeed_tag(saved, tmp_path):
     report = omnickpt.verify(tag)
     assert report.ok, report.problems
     from omnickpt.convert import convert
-    for to in ("omnickpt", "hf", "dcp"):
+    for to in ("omnickpt", "hf", "dcp", "deepspeed"):
         convert(str(tag), str(tmp_path / to), to=to, progress=False)
+    back = _plain_load(tmp_path / "deepspeed")     # our universal export, read back by the reader
+    for name, want in refs[(3, "bf16")].items():
+        assert torch.equal(back[name], want), name
     mine = omnickpt.open(tmp_path / "omnickpt")
     assert torch.equal(mine.get("model/2.weight"), refs[(3, "bf16")]["model/2.weight"])
     assert torch.equal(mine.get("optimizer/state/2.weight/exp_avg"), refs[(3, "bf16")]["optimizer/state/2.weight/exp_avg"])
