@@ -138,9 +138,10 @@ def test_old_import_paths_name_the_exporters_new_home(old, new):
 
 
 def test_readers_import_no_exporter():
-    code = ("import sys, omnickpt.formats, omnickpt.formats.dcp, omnickpt.formats.hf, omnickpt.formats.export; "
+    code = ("import sys, omnickpt.formats, omnickpt.formats.dcp, omnickpt.formats.hf, omnickpt.formats.deepspeed, "
+            "omnickpt.formats.export; "
             "print(sorted(m for m in sys.modules if m.startswith('omnickpt.export') or m == 'omnickpt.convert'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     from omnickpt.formats import READERS
-    assert [r.name for r in READERS] == ["hf", "dcp"] and all(r.read is not None for r in READERS)
+    assert [r.name for r in READERS] == ["hf", "dcp", "deepspeed"] and all(r.read is not None for r in READERS)
