@@ -100,14 +100,21 @@ def test_layout_holds_the_source_values_and_latest_names_the_tag(sources, tmp_pa
 
 
 # ---------------------------------------------------------------------------------- DeepSpeed loads it
-def _load_in_deepspeed(rank, world_size, dst, stage, bf16):
-    """run_ranks body: a DeepSpeed engine (ZeRO `stage`, fp32 or bf16) on a freshly initialised ToyMLP loads the
-    universal checkpoint `dst`; returns (its fp32 master weights, exp_avg, exp_avg_sq, steps, lr) as read back
-    through DeepSpeed's own accessors, and the same after one more training step."""
+def _load_in_deepspeed(rank, world_size, cases):
+    """run_ranks body: for each (dst, stage, bf16) of `cases`, in the same processes (each start imports
+    deepspeed: seconds), `_load_one`."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     deepspeed.init_distributed(dist_backend="gloo")
+    return [_load_one(rank, *case) for case in cases]
+
+
+def _load_one(rank, dst, stage, bf16):
+    """A DeepSpeed engine (ZeRO `stage`, fp32 or bf16) on a freshly initialised ToyMLP loads the universal
+    checkpoint `dst`; returns (its fp32 master weights, exp_avg, exp_avg_sq, steps, lr) as read back through
+    DeepSpeed's own accessors, and the same after one more training step."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     torch.manual_seed(123)          # not the source's initialisation: the load must replace it
     model = ToyMLP()
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
@@ -151,22 +158,26 @@ def _check_loaded(src: str, result, bf16: bool) -> None:
     assert all(torch.isfinite(after[f]["fp32"]).all() for f in want)
 
 
-@pytest.mark.parametrize("stage,bf16,source,via", [(1, False, "single", "api"), (2, False, "fsdp2", "cli"),
-                                                   (3, False, "fsdp2", "api"), (3, True, "single", "cli")],
-                         ids=["zero1-fp32-1rank-api", "zero2-fp32-fsdp2-cli", "zero3-fp32-fsdp2-api",
-                              "zero3-bf16-1rank-cli"])
-def test_deepspeed_engines_load_the_export_bitwise_and_train_on(sources, tmp_path, capsys, stage, bf16, source, via):
+# (stage, bf16, source, via): every ZeRO stage, a bf16 engine, a 1-rank and an FSDP2 source, the API and the CLI
+_LOADS = [(1, False, "single", "api"), (2, False, "fsdp2", "cli"), (3, False, "fsdp2", "api"), (3, True, "single", "cli")]
+
+
+def test_deepspeed_engines_load_the_export_bitwise_and_train_on(sources, tmp_path, capsys):
     pytest.importorskip("deepspeed")
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("DeepSpeed builds a small C++ op on first use and no compiler is installed")
-    src, dst = sources[source], str(tmp_path / "ds")
-    if via == "cli":
-        assert cli(["convert", src, dst, "--to", "deepspeed", "--no-progress"]) == 0
-        assert "(deepspeed): tag global_step3" in capsys.readouterr().out
-    else:
-        export_deepspeed(src, dst, progress=False)
-    result = run_ranks(2, _load_in_deepspeed, dst, stage, bf16)[0]
-    _check_loaded(src, result, bf16)
+    cases = []
+    for i, (stage, bf16, source, via) in enumerate(_LOADS):
+        src, dst = sources[source], str(tmp_path / f"ds{i}")
+        if via == "cli":
+            assert cli(["convert", src, dst, "--to", "deepspeed", "--no-progress"]) == 0
+            assert "(deepspeed): tag global_step3" in capsys.readouterr().out
+        else:
+            export_deepspeed(src, dst, progress=False)
+        cases.append((dst, stage, bf16))
+    results = run_ranks(2, _load_in_deepspeed, cases)[0]
+    for (stage, bf16, source, via), result in zip(_LOADS, results):
+        _check_loaded(sources[source], result, bf16)
 
 
 # ---------------------------------------------------------------------------------- refused, failed

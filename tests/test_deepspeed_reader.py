@@ -227,10 +227,19 @@ def test_zero_tag_loads_into_a_two_d_mesh_exactly(saved):
 
 
 def _universal(src: Path, dst: Path) -> None:
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
-                    "--output_folder", str(dst), "--inject_missing_state", "--num_extract_workers", "1",
-                    "--num_merge_workers", "1"], check=True, capture_output=True,
-                   env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    """DeepSpeed's offline converter, in this process (one worker each way runs no pool; a process of its own
+    would spend seconds importing deepspeed for each conversion)."""
+    from contextlib import redirect_stdout
+    from io import StringIO
+    from deepspeed.checkpoint import ds_to_universal
+    argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", str(src), "--output_folder", str(dst), "--inject_missing_state",
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    try:
+        with redirect_stdout(StringIO()):
+            ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
 
 
 def _ds_universal_load(rank, world, cases):
