@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, r
 CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
 # what real runs have besides: two parameter groups (no weight decay on biases), a frozen layer, buffers
 RICH = [(2, "rich"), (3, "rich")]
+ZERO0 = [(0, "fp32"), (0, "bf16")]     # no ZeRO: the module and the optimizer whole in the model file
 ADAM = ("exp_avg", "exp_avg_sq")
 
 
@@ -66,7 +67,7 @@ def _save_all(rank, world, root):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
-    for stage, dtype in CASES + RICH:
+    for stage, dtype in CASES + RICH + ZERO0:
         m = _rich() if dtype == "rich" else _model()
         params = _groups(m) if dtype == "rich" else m.parameters()
         eng, *_ = deepspeed.initialize(model=m, model_parameters=params, config=_config(stage, dtype))
@@ -78,6 +79,9 @@ def _save_all(rank, world, root):
             eng.step()
         eng.save_checkpoint(f"{root}/z{stage}_{dtype}", tag="global_step3", client_state={"epoch": 7})
         ref = {}
+        if stage == 0:
+            out[(stage, dtype)] = _zero0_reference(eng)
+            continue
         for name, p in eng.module.named_parameters():
             if not p.requires_grad:
                 ref[f"frozen/{name}"] = _rich().state_dict()[name]
@@ -91,6 +95,23 @@ def _save_all(rank, world, root):
             ref[f"buffer/{name}"] = b.clone()
         out[(stage, dtype)] = ref
     return out if rank == 0 else None
+
+
+def _zero0_reference(eng) -> dict[str, torch.Tensor]:
+    """What a ZeRO-0 engine steps: the module's parameters (fp32), or FP16_UnfusedOptimizer's fp32 copies of
+    them (bf16), and the torch optimizer's state of those."""
+    opt = eng.optimizer
+    groups = getattr(opt, "fp32_groups", None)
+    params = [p for p in eng.module.parameters()]
+    masters = [m for g in groups for m in g] if groups is not None else params
+    inner = getattr(opt, "optimizer", opt)
+    ref = {}
+    for (name, _), m in zip(eng.module.named_parameters(), masters):
+        ref[f"model/{name}"] = m.detach().clone()
+        for k in ADAM:
+            ref[f"optimizer/state/{name}/{k}"] = inner.state[m][k].clone()
+    assert groups is None or all(m.dtype == torch.float32 for m in masters) and params[0].dtype == torch.bfloat16
+    return ref
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +179,17 @@ def test_groups_frozen_layers_and_buffers_load_exactly(saved, stage, tmp_path):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     biases = {id(named[n]) for n in named if n.endswith("bias") and n != "0.bias"}
     assert {id(p) for p in opt.param_groups[1]["params"]} == biases
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero0_tags_load_their_fp32_masters(saved, dtype):
+    """No ZeRO: the weights are the fp32 masters (bf16: FP16_UnfusedOptimizer's fp32_groups, not the module's
+    bf16 copies, which would lose the masters' precision silently), the moments the torch optimizer's."""
+    root, refs = saved
+    got = _plain_load(root / f"z0_{dtype}")
+    for name, want in refs[(0, dtype)].items():
+        assert torch.equal(got[name], want), name
+    assert omnickpt.open(root / f"z0_{dtype}").layout["zero_stage"] == 0
 
 
 def test_engine_state_and_client_state_are_objects(saved):

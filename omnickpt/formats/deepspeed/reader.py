@@ -199,17 +199,29 @@ def _zero0(path: str, first: dict, tensors: dict[str, Planned]) -> ZeroLayout | 
                 seen.add(ident)
                 order.append(name)
     osd = first.get("optimizer")
+    # ZeRO-0 with bf16/fp16 (FP16_UnfusedOptimizer): the torch optimizer's state dict inside, and the fp32
+    # master of every parameter in `fp32_groups` (per group, in the group's order): those, not the module's
+    # bf16 copies, are the weights (as for ZeRO-1/2/3)
+    masters = osd.get("fp32_groups") if isinstance(osd, dict) else None
+    if isinstance(osd, dict) and isinstance(osd.get("optimizer_state_dict"), dict):
+        osd = osd["optimizer_state_dict"]
     if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or "param_groups" not in osd:
-        return None   # none saved, or DeepSpeed's BF16_Optimizer (ZeRO-0 bf16): the weights only
+        return None   # none saved: the weights only
     params: dict[str, Planned] = {}
     state: dict[str, dict[str, Planned]] = {}
     group_of: dict[str, int] = {}
     for gi, g in enumerate(osd["param_groups"]):
-        for idx in (g.get("params") or []) if isinstance(g, dict) else []:
+        for j, idx in enumerate((g.get("params") or []) if isinstance(g, dict) else []):
             if type(idx) is not int or idx >= len(order):
                 raise CorruptCheckpointError(f"{path}: the optimizer names parameter {idx!r} of {len(order)}")
             name = order[idx]
             group_of[name] = gi
+            if isinstance(masters, list):
+                master = masters[gi][j] if gi < len(masters) and isinstance(masters[gi], list) \
+                    and j < len(masters[gi]) else None
+                if not isinstance(master, _StoredTensor) or master.shape != tensors[f"{MODEL_KEY}/{name}"].shape:
+                    raise CorruptCheckpointError(f"{path}: fp32_groups[{gi}][{j}] is not the fp32 master of {name!r}")
+                tensors[f"{MODEL_KEY}/{name}"] = whole(path, master)
             for k, t in (osd["state"].get(idx) or {}).items():
                 if isinstance(t, _StoredTensor):
                     state.setdefault(name, {})[k] = whole(path, t)
