@@ -63,7 +63,7 @@ class _RestrictedUnpickler(pickle._Unpickler):
 
     def _load_build(self):
         if not isinstance(self.stack[-2] if len(self.stack) > 1 else None, _Record):
-            raise pickle.UnpicklingError("a BUILD (set state) of something that is not a DCP metadata record")
+            raise pickle.UnpicklingError("a BUILD (set state) of something that is not a record of the checkpoint's metadata")
         pickle._Unpickler.load_build(self)
 
     dispatch[pickle.BUILD[0]] = _load_build

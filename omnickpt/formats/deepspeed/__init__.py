@@ -23,6 +23,5 @@ Model-parallel (mp_rank > 0) and pipeline (layer_*) checkpoints are refused by n
 from __future__ import annotations
 
 from omnickpt.formats.deepspeed.reader import LATEST, read_manifest
-from omnickpt.formats.deepspeed.unpickle import _GLOBALS  # noqa: F401  (tests read the table)
 
 __all__ = ["LATEST", "read_manifest"]

@@ -8,7 +8,6 @@ import math
 import struct
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 

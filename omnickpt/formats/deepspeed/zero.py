@@ -95,9 +95,22 @@ def _int(value: Any, what: str, where: str) -> int:
     return value
 
 
-def _adam_state(state: Any, index: int, where: str) -> dict[str, Any]:
+def _adam_state(state: Any, index: int) -> dict[str, Any]:
     s = state.get(index) if isinstance(state, dict) else None
     return s if isinstance(s, dict) else {}
+
+
+def _moments(adam: dict[str, Any], g: int, size: int, path: str) -> dict[str, _StoredTensor]:
+    """A rank's Adam moments of group `g`: flat tensors of (at least) its partition's `size` elements."""
+    out = {}
+    for k in ADAM_KEYS:
+        if k in adam:
+            t = _flat(adam[k], f"state {g} {k}", path)
+            if t.shape[0] < size:
+                raise CorruptCheckpointError(f"{path}: {k} of group {g} has {t.shape[0]} elements, its partition "
+                                             f"{size}")
+            out[k] = t
+    return out
 
 
 def _add(out: dict[str, Planned], name: str, shape: tuple, dtype: torch.dtype, piece: Piece | None) -> None:
@@ -148,6 +161,7 @@ def zero12(shapes: list[dict[str, tuple]], ranks: list[RankFiles], where: str) -
         flats = [_flat(fp32_groups[r][g], f"single_partition_of_fp32_groups[{g}]", ranks[r].path)
                  for r in range(world)]
         size = flats[0].shape[0]
+        moments = [_moments(_adam_state(base[r].get("state"), g), g, size, ranks[r].path) for r in range(world)]
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
         offset = 0
         for i, (name, shape) in enumerate(group.items()):
@@ -161,20 +175,14 @@ def zero12(shapes: list[dict[str, tuple]], ranks: list[RankFiles], where: str) -
                 _check_mapping(ranks[r], g, name, hi - lo, lo - r * size, where)
                 piece = (lo - r * size, lo - offset, hi - lo)
                 _add(params, name, shape, flat.dtype, Piece(ranks[r].path, flat, *piece))
-                adam = _adam_state(base[r].get("state"), g, ranks[r].path)
-                for k in ADAM_KEYS:
-                    if k in adam:
-                        t = _flat(adam[k], f"state {g} {k}", ranks[r].path)
-                        if t.shape[0] < size:
-                            raise CorruptCheckpointError(f"{ranks[r].path}: {k} of group {g} has {t.shape[0]} "
-                                                         f"elements, its partition {size}")
-                        _add(state.setdefault(name, {}), k, shape, t.dtype, Piece(ranks[r].path, t, *piece))
+                for k, t in moments[r].items():
+                    _add(state.setdefault(name, {}), k, shape, t.dtype, Piece(ranks[r].path, t, *piece))
             offset += n + (_int(pads[i], f"param_alignment_paddings[{g}][{i}]", where)
                            if isinstance(pads, list) and i < len(pads) else 0)
         if offset > size * len(flats):
             raise CorruptCheckpointError(f"{where}: parameter group {g} needs {offset} elements but its "
                                          f"{len(flats)} partitions hold {size} each; the checkpoint is damaged")
-        step = _adam_state(base[0].get("state"), g, ranks[0].path).get("step")
+        step = _adam_state(base[0].get("state"), g).get("step")
         if isinstance(step, _StoredTensor):
             for name in group:
                 state.setdefault(name, {})["step"] = whole(ranks[0].path, step)
@@ -247,7 +255,7 @@ def zero3(shapes: list[dict[str, tuple]], ranks: list[RankFiles], where: str) ->
     for r, v in enumerate(virtual):
         per: dict[str, list[_StoredTensor]] = {}
         for k in ADAM_KEYS:
-            ts = [_adam_state(inner[r].get("state"), i, ranks[r].path).get(k) for i in range(len(v.flats))]
+            ts = [_adam_state(inner[r].get("state"), i).get(k) for i in range(len(v.flats))]
             if all(isinstance(t, _StoredTensor) for t in ts):
                 per[k] = [_flat(t, f"state {i} {k}", ranks[r].path) for i, t in enumerate(ts)]
                 if [t.shape[0] for t in per[k]] != [f.shape[0] for f in v.flats]:
@@ -273,7 +281,7 @@ def zero3(shapes: list[dict[str, tuple]], ranks: list[RankFiles], where: str) ->
             for k, ts in moments[r].items():
                 for piece in v.pieces(offset, held, r * part, ts):
                     _add(state.setdefault(name, {}), k, shape, piece.flat.dtype, piece)
-        step = _adam_state(inner[0].get("state"), sub, ranks[0].path).get("step")
+        step = _adam_state(inner[0].get("state"), sub).get("step")
         if isinstance(step, _StoredTensor):
             state.setdefault(name, {})["step"] = whole(ranks[0].path, step)
         offset += part
