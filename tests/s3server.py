@@ -40,25 +40,27 @@ AWS_ENV_TO_CLEAR = ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "
 
 
 class MotoServer:
-    """moto's standalone S3 server (`python -m moto.server`) on a free port of 127.0.0.1."""
+    """moto's standalone S3 server (`python -m moto.server`) on a free port of 127.0.0.1 (or of
+    `host`: an address of this machine, such as a simulated machines' storage network's)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
         self.port = 0
         self._proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "MotoServer":
         for _ in range(3):  # the free port may be taken by someone else before moto binds it
             self.port = free_port()
-            cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+            cmd = [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
             self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self._proc.poll() is None:
-                if _answers(self.port):
+                if _answers(self.port, self.host):
                     return self
                 time.sleep(0.05)
             self.stop()
@@ -83,9 +85,9 @@ class MotoServer:
         self._log.close()
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn = http.client.HTTPConnection(host, port, timeout=2)
         conn.request("GET", "/moto-api/")
         conn.getresponse().read()
         conn.close()
@@ -128,7 +130,7 @@ class FaultProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, port: int = 0) -> "FaultProxy":
         server = ThreadingHTTPServer(("127.0.0.1", port), _ProxyHandler)
