@@ -101,7 +101,9 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
     comm = ckpt.comm(o.process_group)
     job = _LoadJob(path, storage_for(path), state, PhaseTimer())
     job.raw_manifest = _shared_manifest(job, comm)
-    dedup = o.dedup_reads and comm.world_size > 1
+    # A shm:// checkpoint is each machine's own: a rank on another machine may not hold the bytes
+    # this rank would be assigned to read for it.
+    dedup = o.dedup_reads and comm.world_size > 1 and not _per_machine(path)
 
     def plan() -> tuple:
         with job.timer.phase("plan"):
@@ -215,9 +217,12 @@ def _shared_manifest(job: _LoadJob, comm: Comm) -> bytes | None:
     the coordinator alone, so that a restart of N ranks reads it once, not N times (8192 ranks each
     reading a 200 MB manifest from one store is 1.6 TB). None where the coordinator could not read
     ours (a foreign format, nothing committed, a storage error): every rank then reads for itself
-    in the plan phase and meets the error there, where it is settled."""
+    in the plan phase and meets the error there, where it is settled. A shm:// checkpoint is not
+    shared: each machine's memory holds its own (the memory tier's restore view of a multi-node job
+    lists the boxes of the nodes on that machine), so every rank reads the manifest of its machine,
+    at memory speed."""
     raw = None
-    if comm.is_coordinator:
+    if comm.is_coordinator and not _per_machine(job.path):
         try:
             raw = job.storage.read_bytes(MANIFEST_NAME)
             job.timer.count("metadata", len(raw))
@@ -228,6 +233,10 @@ def _shared_manifest(job: _LoadJob, comm: Comm) -> bytes | None:
     where, raw = comm.broadcast_object((_where(job), raw), step=f"load from {job.path}, step metadata")
     # A rank given another path reads its own (the plan phase then refuses the differing paths).
     return raw if where == _where(job) else None
+
+
+def _per_machine(path: str) -> bool:
+    return path.startswith("shm://")
 
 
 def _where(job: _LoadJob) -> str:

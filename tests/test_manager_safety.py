@@ -455,9 +455,11 @@ def test_step_folders_and_the_retention_rule():
 
 def test_restore_failures_are_classified_by_error_class():
     from omnickpt.tiered import _fatal_class
-    for name in ("MismatchError", "UnsafeCheckpointError", "TypeError"):
+    for name in ("UnsafeCheckpointError", "TypeError"):
         assert _fatal_class(name), name        # root would not do better: raised
-    for name in ("CorruptCheckpointError", "StorageError", "CheckpointTimeoutError", "CheckpointError", "OSError"):
+    # MismatchError: memory may lack what root holds (tests/test_multinode.py); root raises it again if not
+    for name in ("MismatchError", "CorruptCheckpointError", "StorageError", "CheckpointTimeoutError",
+                 "CheckpointError", "OSError"):
         assert not _fatal_class(name), name    # fall back to root
 
 

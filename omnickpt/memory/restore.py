@@ -10,7 +10,7 @@ import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
-from omnickpt.errors import (CheckpointError, CorruptCheckpointError, MismatchError, NotCommittedError,
+from omnickpt.errors import (CheckpointError, CorruptCheckpointError, NotCommittedError,
                              UnsafeCheckpointError, error_class, rebuild_error)
 from omnickpt.memory.layout import Placement, barrier
 
@@ -105,9 +105,11 @@ def choose_restore(views: Sequence[tuple[Sequence[int], Sequence[int]]], durable
 
 # ---------------------------------------------------------------------- restoring
 def fatal_class(name: str) -> bool:
-    """Failures of a restore from memory that root would not cure (the state does not fit, the
-    checkpoint asks for pickle, a wrong argument): raised, never fallen back from."""
-    return name == TypeError.__name__ or issubclass(error_class(name), (MismatchError, UnsafeCheckpointError))
+    """Failures of a restore from memory that root would not cure (the checkpoint asks for pickle, a
+    wrong argument): raised, never fallen back from. A MismatchError falls back: memory may not
+    cover what root does (a machine's memory lost, a view that lacks a node), and where the state
+    truly does not fit, root's load raises the same class naming the same tensors."""
+    return name == TypeError.__name__ or issubclass(error_class(name), UnsafeCheckpointError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +173,23 @@ class MemoryRestore:
                           stacklevel=3)
         if durable_step is None:
             self._raise_nothing_to_restore(survey, failure)
-        if self.tier.layout.local == 0:
-            self.tier.purge_newer(None)   # older than root (stale), incomplete on some node, or corrupt
-        if self.place.machine_leader and not survey.notes:
-            self.tier.drop_previous()
         with self.root.loading(durable_step):
             result = self.ckpt.load(self.root.step_path(durable_step), state, process_group=self.place.group,
                                     **kwargs)
+        # Only once root loaded: where it cannot either (the state fits neither: a MismatchError
+        # from both), a restart with the right state still finds memory as it was.
+        error = None
+        try:
+            if self.tier.layout.local == 0:
+                self.tier.purge_newer(None)   # older than root (stale), incomplete on some node, or corrupt
+            if self.place.machine_leader and not survey.notes:
+                self.tier.drop_previous()
+        except Exception as e:
+            error = e
+        # Also a barrier: no rank saves a step into memory that a node leader is still purging.
+        failed = self._failures(error)
+        if failed:
+            raise rebuild_error(*failed[0])
         return result, None, survey
 
     def _memory_restore_failed(self, cand: Candidate, failed: list[tuple[str, str]],
@@ -227,8 +239,8 @@ class MemoryRestore:
 
     @staticmethod
     def _fatal(error: BaseException | None, failed: list[tuple[str, str]]) -> None:
-        """The state does not fit the checkpoint, or the checkpoint asks for pickle: the durable
-        copy would not do better, so every rank raises instead of falling back."""
+        """The checkpoint asks for pickle, or a wrong argument: the durable copy would not do
+        better, so every rank raises instead of falling back."""
         fatal = [f for f in failed if fatal_class(f[0])]
         if fatal:
             if error is not None:
