@@ -122,7 +122,9 @@ class SaveHandle:
                 job_limit = None if timeout is None else timeout
                 report = self._future.result(timeout=job_limit) if self._future is not None else None
                 if not self._coordinator:
-                    report = self._await_commit(limit)
+                    # By default past the coordinator's own wait for the records (commit.Round.verdict):
+                    # its verdict names a missing rank; our own timeout could only say that it is late.
+                    report = self._await_commit(limit if timeout is not None else commit.VERDICT_WAIT * limit)
             except CheckpointError:
                 self.reported = True
                 raise

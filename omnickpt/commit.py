@@ -34,6 +34,7 @@ POLL_FIRST = 0.001   # a commit usually follows within milliseconds: look again 
 POLL_MAX = 0.05      # but never list a remote store more than 20 times a second
 _RECORD = re.compile(r"r(\d{5})\.json")   # temp files of a commit in progress do not match
 STATUS_NAME = "status.json"
+VERDICT_WAIT = 2     # a non-coordinator awaits the verdict this many timeouts (Round.verdict)
 
 
 def poll(probe: Callable[[], T | None], timeout: float, on_timeout: Callable[[], BaseException]) -> T:
@@ -140,7 +141,8 @@ def await_status(storage: Storage, save_id: str, timeout: float, what: str) -> d
     once committed; raises the coordinator's error class (rebuilt) when it failed, and
     CheckpointTimeoutError when no verdict came within `timeout` s."""
     status = poll(lambda: read_status(storage, save_id), timeout, lambda: CheckpointTimeoutError(
-        f"{what}: the coordinator (rank 0) did not commit within {timeout:.0f} s"))
+        f"{what}: the coordinator (rank 0) did not commit within {timeout:.0f} s: it is dead, cut off from "
+        f"the storage, or stalled; nothing of this save may be relied on"))
     raise_failed(status, what)
     return status
 
@@ -183,8 +185,12 @@ class Round:
         return await_records(self.storage, self.save_id, self.world_size, self.timeout, self.what)
 
     def verdict(self) -> dict:
-        """Another rank: the coordinator's status, its error raised when the round failed."""
-        return await_status(self.storage, self.save_id, self.timeout, self.what)
+        """Another rank: the coordinator's status, its error raised when the round failed. Waited
+        for twice as long as the coordinator waits for the records: its wait starts once its own
+        part is written, maybe well after ours, and where a rank is missing its verdict (naming
+        that rank) is the error to raise; only a coordinator that is itself gone or cut off leaves
+        us to give up on our own."""
+        return await_status(self.storage, self.save_id, VERDICT_WAIT * self.timeout, self.what)
 
 
 class Verdict(Exception):
