@@ -105,13 +105,18 @@ def global_ranks(group: Any, world: int) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def new_group(ranks: list[int], parent: Any, world: int, backend: str | None = None) -> Any:
+def new_group(ranks: list[int], parent: Any, world: int, backend: str | None = None, *,
+              timeout: float | None = None) -> Any:
     """A process group of `ranks`. Only its members call it (groups are made locally), so the
-    manager's own group may be a sub-group of the world."""
+    manager's own group may be a sub-group of the world. `timeout` (seconds) bounds each of its
+    operations: a peer behind a cut link sends no reset, and torch's default is 30 minutes."""
+    import datetime
+
     import torch.distributed as dist
     if backend is None:
         backend = dist.get_backend(parent if parent is not None else dist.group.WORLD)
-    return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True, timeout=limit)
 
 
 def barrier(group: Any) -> None:

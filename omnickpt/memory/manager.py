@@ -27,7 +27,7 @@ from omnickpt import commit
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle, default_checkpointer
 from omnickpt.cadence import cadence_of
 from omnickpt.engine.save import collect_garbage
-from omnickpt.errors import CheckpointError, rebuild_error
+from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
 from omnickpt.failure import FailureGuard
 from omnickpt.lease import acquire
 from omnickpt.manager import ManagerOptions, SaveLoop, save_at_failure
@@ -116,10 +116,12 @@ class TieredCheckpointManager:
                              f"ranks_per_node={rpn}")
         ranks = global_ranks(self._group, world)
         node_group = self._group if layout.nodes == 1 else new_group(
-            ranks[layout.node * rpn:(layout.node + 1) * rpn], self._group, world)
+            ranks[layout.node * rpn:(layout.node + 1) * rpn], self._group, world, timeout=self._ckpt.timeout)
         # Peer transfers run on a background thread: a group of their own, so they never
-        # interleave with the training loop's collectives.
-        side = new_group(ranks, self._group, world, backend="gloo") if memory.peer_replicas else None
+        # interleave with the training loop's collectives. Bounded by the Checkpointer's timeout: a
+        # peer machine cut off mid-transfer fails the save by name instead of hanging the lane.
+        side = (new_group(ranks, self._group, world, backend="gloo", timeout=self._ckpt.timeout)
+                if memory.peer_replicas else None)
         self._tier = MemoryTier(memory.url, layout, self._root.storage.describe())
         leaders, leader, here = self._join_machines()
         return Placement(layout, self._group, node_group, side, tuple(ranks), leaders, leader, here)
@@ -342,7 +344,9 @@ class TieredCheckpointManager:
                       self._tier.layout.rank, type(e).__name__, e)
             with self._lock:
                 self._pinned.discard(step)
-            raise
+            if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+                raise
+            raise self._replica_error(step, e) from e
         with self._lock:
             self._memory_step = step
         durable = None
@@ -354,6 +358,21 @@ class TieredCheckpointManager:
                 pinned = set(self._pinned)
             self._tier.retain(self.options.memory_keep, pinned, upto=step)
         return report, durable
+
+    def _replica_error(self, step: int, error: Exception) -> CheckpointError:
+        """The peer copy of `step` failed (the gloo group's error, a plain RuntimeError): a named
+        error saying with which ranks and what is left (the step stands in this node's memory)."""
+        lay, ranks = self._tier.layout, self._place.global_ranks
+        peers = sorted({ranks[lay.holder_of(lay.rank)], ranks[lay.source_for(lay.rank)]})
+        text = str(error)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        cls = CheckpointTimeoutError if timed_out else CheckpointError
+        return cls(f"step {step}: the peer replica exchange of rank {ranks[lay.rank]} (node {lay.node}) with "
+                   f"rank(s) {peers} on the neighbouring node(s) "
+                   + (f"did not finish within {self._ckpt.timeout:g} s (a machine down or cut off)" if timed_out
+                      else "failed")
+                   + f": {type(error).__name__}: {text[:500]}; the step is committed in this node's memory "
+                   f"({self._tier.step_url(step)}) without a replica on the next node")
 
     def _durable_job(self, step: int, wait_commit: bool, timeout: float | None = None) -> str:
         """Copy memory step `step` to root, one commit round (commit.run_round): every rank copies its
