@@ -53,7 +53,9 @@ def make_records(ranks: int, tensors: int, replicated: int):
     return records
 
 
-def bench_planner(ranks: int, tensors: int, replicated: int, runs: int) -> dict:
+def bench_planner(ranks: int, tensors: int, replicated: int, runs: int, keep: dict | None = None) -> dict:
+    """`keep`: a dict that receives the last plan ("plan") and the records of ranks 0 and 1
+    ("records_0", "records_1") for callers that go on from them (bench/scale_sim.py)."""
     from omnickpt.planner import RecordBatch, build_global_plan
     t0 = time.perf_counter()
     lists = make_records(ranks, tensors, replicated)
@@ -66,6 +68,9 @@ def bench_planner(ranks: int, tensors: int, replicated: int, runs: int) -> dict:
     sent_full = len(pickle.dumps(records[0]))
     sent_lean = len(pickle.dumps(records[1].without_table()))
     sent_objects = len(pickle.dumps(lists[1]))     # what a rank sent before (a list of ShardRecord)
+    if keep is not None:
+        keep["records_0"], keep["records_1"] = lists[0], lists[1]
+        keep["batch_1"] = records[1]
     records = [records[0]] + [b.without_table() for b in records[1:]]
     del lists
     times, cpu = [], []
@@ -82,7 +87,15 @@ def bench_planner(ranks: int, tensors: int, replicated: int, runs: int) -> dict:
     # Every sharded box is written once; every replicated tensor once in all.
     expect = ranks * (tensors - replicated) + replicated
     assert writes == expect, f"plan has {writes} writes, expected {expect}"
-    return {"ranks": ranks, "tensors_per_rank": tensors, "replicated_per_rank": replicated,
+    # What the coordinator scatters back: each rank's part of the plan, as saving._global_plan sends it.
+    scattered = [len(pickle.dumps((plan.write_arrays(r), plan.tensor_bytes[r], None))) for r in range(ranks)]
+    if keep is not None:
+        keep["plan"] = plan
+    return {"scatter_bytes_per_rank_max": max(scattered), "coordinator_scattered_bytes": sum(scattered),
+            "total_planned_bytes": sum(per_rank),
+            "simulated_tensor_bytes": ranks * (tensors - replicated) * 4 * 1024 * 4
+            + sum(4 * 1024 * (1 + i % 4) for i in range(replicated)),
+            "ranks": ranks, "tensors_per_rank": tensors, "replicated_per_rank": replicated,
             "records": ranks * tensors, "writes": writes, "seconds_median": statistics.median(times),
             "seconds_all": times, "cpu_seconds_median": statistics.median(cpu), "make_records_s": build_s,
             "bytes_per_rank_min": min(per_rank), "bytes_per_rank_max": max(per_rank),
@@ -204,7 +217,10 @@ def main(argv=None) -> int:
         print(f"records sent: rank 0 {plan['sent_bytes_rank0']:,} bytes (with the tensor table), every other rank "
               f"{plan['sent_bytes_other_rank']:,} bytes; the coordinator receives {plan['coordinator_received_bytes']:,} "
               f"bytes (as ShardRecord lists: {plan['sent_bytes_per_rank_as_objects']:,} per rank, "
-              f"{plan['coordinator_received_bytes_as_objects']:,} in all)", flush=True)
+              f"{plan['coordinator_received_bytes_as_objects']:,} in all); the plan's parts scattered back: "
+              f"{plan['coordinator_scattered_bytes']:,} bytes "
+              f"(at most {plan['scatter_bytes_per_rank_max']:,} per rank)",
+              flush=True)
     if "manifest" in cases:
         man = bench_manifest(boxes, min(ranks, 8192), args.runs)
         print(f"manifest: {man['boxes']:,} boxes in {man['tensors']:,} tensors, {man['files']:,} files -> "
