@@ -130,7 +130,7 @@ class FaultProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self, port: int = 0) -> "FaultProxy":
         server = ThreadingHTTPServer(("127.0.0.1", port), _ProxyHandler)
