@@ -111,11 +111,13 @@ def wait_for(args: dict, name: str, timeout: float = 120) -> None:
 
 
 def link_bytes() -> dict:
-    """What this machine sent so far on the fabric (eth0) and the storage network (eth1)."""
+    """What this machine sent so far on the fabric (eth0) and the storage network (eth1), and
+    received (eth0_in, eth1_in)."""
     out = {}
     for dev in ("eth0", "eth1"):
-        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-            out[dev] = int(f.read())
+        for way, key in (("tx", dev), ("rx", f"{dev}_in")):
+            with open(f"/sys/class/net/{dev}/statistics/{way}_bytes") as f:
+                out[key] = int(f.read())
     return out
 
 
@@ -288,6 +290,51 @@ def phase_failure(args: dict) -> None:
     put_values(args, "failure-expected", expected)
     put_json(args, f"failure-r{rank}.json", {"role": role, "failure_save": mgr.failure_save})
     os._exit(0)
+
+
+def phase_bench(args: dict) -> None:
+    """bench/multinode.py: FSDP2 over every rank of every machine, `mb` MB of parameters (+ Adam),
+    saved (sync) and loaded `runs` times to each store; per call the slowest rank's time and the
+    bytes each machine sent on each network."""
+    import omnickpt
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    layers = max(1, round(args["mb"] * 1e6 / (4096 * 4096 * 4)))   # Linear(4096, 4096): 67 MB each
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    local0 = int(os.environ["LOCAL_RANK"]) == 0
+    out = {}
+    for store in args["stores"]:
+        base = args["shared"] if store == "shared" else args["s3"]
+        for what in ("save", "load"):
+            times, sent = [], []
+            for run in range(args["runs"]):
+                path = f"{base}/bench{run}"
+                dist.barrier()
+                before = link_bytes() if local0 else None
+                t = time.perf_counter()
+                if what == "save":
+                    omnickpt.save(path, state)
+                else:
+                    omnickpt.load(path, state)
+                took = time.perf_counter() - t
+                dist.barrier()
+                times.append(max(gathered(took)))
+                if local0:
+                    after = link_bytes()
+                    sent.append({d: after[d] - before[d] for d in after})
+            out[f"{store}/{what}"] = {"seconds": times, "sent": sent}
+    out["state_bytes"] = 3 * layers * 4096 * 4096 * 4   # parameters, exp_avg, exp_avg_sq
+    if local0:
+        put_json(args, f"bench-node{os.environ['NODE_INDEX']}.json", out)
 
 
 def main() -> None:
