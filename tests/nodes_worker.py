@@ -247,7 +247,7 @@ def phase_partition(args: dict) -> None:
     dist.barrier()
     if rank == 0:
         put_json(args, "ready-cut.json", {})
-    wait_for(args, "storage-slowed.json")             # machine 1's storage link: 1 MB/s, from now on
+    wait_for(args, "storage-slowed.json")             # machine 1's storage link: 0.5 MB/s, from now on
     train_step(model, opt, 3)
     handle = ckpt.save(f"{args['s3']}/step3", state, async_save=True)
     put_json(args, f"saving-r{rank}.json", {})         # the harness cuts machine 1 once ranks 2, 3 are here

@@ -162,7 +162,7 @@ def test_a_link_cut_during_an_async_save_fails_every_survivor_by_name_and_commit
         signal_file(out, "slowed.json")
         await_file(out, "ready-cut.json", 120, procs)
         c.heal(1)
-        c.slow(1, 1e6, nets="s")        # ~3 MB to upload from machine 1: seconds, cut meanwhile
+        c.slow(1, 0.5e6, nets="s")      # ~3 MB to upload from machine 1: ~6 s, cut meanwhile
         signal_file(out, "storage-slowed.json")
         for r in (2, 3):
             await_file(out, f"saving-r{r}.json", 60, procs)
