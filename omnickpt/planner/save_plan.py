@@ -16,6 +16,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+# np.unique imports numpy.ma on its first call (~20 ms): here, at import, not in the first save's stall.
+import numpy.ma  # noqa: F401
 
 from omnickpt.errors import PlanError
 from omnickpt.layout import Box
