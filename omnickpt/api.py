@@ -21,6 +21,7 @@ from omnickpt.adapters import check_framework
 from omnickpt.comm import Comm
 from omnickpt.engine import StagingPool
 from omnickpt.engine.load import LANDING_BYTES
+from omnickpt.engine.priority import background
 from omnickpt.engine.staging import gc_paused
 from omnickpt.fence import SnapshotFence
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError
@@ -146,25 +147,39 @@ class SaveHandle:
             return {}
 
 
+BACKGROUND_NICE = 10   # Checkpointer(background_nice=): how much nicer background threads run
+
+
 class Checkpointer:
     """Owns the I/O threads, the staging pools and the plan cache. Create one per training job (or
     use the module-level save/load), call close() when done."""
 
     def __init__(self, *, process_group: Any = None, io_workers: int = 4, timeout: float = 600.0,
                  staging_slots: int = 2, landing_bytes: int = LANDING_BYTES, staging_budget: int | None = None,
-                 release_staging: bool = False):
+                 release_staging: bool = False, background_nice: int | None = BACKGROUND_NICE):
         """staging_budget: the most bytes of host memory the staging pool holds (snapshots, the
         packing of sync saves' small tensors, load landing buffers); a rank's state larger than it
         is staged in part and the rest written from the tensors' own memory while the snapshot's
         fence holds (the stall or the held optimizer step grows; the cap holds).
-        release_staging: free the staging memory after each save instead of keeping it warm."""
+        release_staging: free the staging memory after each save instead of keeping it warm.
+        background_nice: the persist thread and I/O workers (writing, checksumming, reading) run
+        this much nicer than the process, at the lowest best-effort I/O priority, so that training
+        steps overlapping a save win the cores and the disk (None: the training thread's
+        priority). The lazy snapshot's copier keeps the training thread's: a step may wait for it."""
         self._group = process_group
         self._pool = StagingPool(staging_slots, staging_budget)
         self.landing_bytes = landing_bytes if staging_budget is None else min(landing_bytes, self._pool.largest)
         self.release_staging = release_staging
-        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="omnickpt-io")
-        self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist")
+        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="omnickpt-io", initializer=background,
+                                      initargs=(background_nice,))
+        self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist", initializer=background,
+                                           initargs=(background_nice,))
+        self.background_nice = background_nice
         self._copier: ThreadPoolExecutor | None = None   # made by the first lazy snapshot (_snapshot_thread)
+        # Started now: an executor starts its thread at the first submit, which would be inside the
+        # first async save's stall (a few ms per thread).
+        for pool in (self._persist, self._snapshot_thread()):
+            pool.submit(int)
         self._fences: list[SnapshotFence] = []   # lazy snapshots whose hooks the training thread has to remove
         self._plans: dict[int, dict[tuple, tuple]] = {}
         self._comms: dict[int, Comm] = {}

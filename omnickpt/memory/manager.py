@@ -26,6 +26,7 @@ from typing import Any
 from omnickpt import commit
 from omnickpt.api import Checkpointer, LoadResult, SaveHandle, default_checkpointer
 from omnickpt.cadence import cadence_of
+from omnickpt.engine.priority import background
 from omnickpt.engine.save import collect_garbage
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
 from omnickpt.failure import FailureGuard
@@ -87,9 +88,11 @@ class TieredCheckpointManager:
                               in_flight=self._in_flight)
         self._place = self._place_ranks(memory)
         self._restore = MemoryRestore(self._tier, self._place, self._comm, self._ckpt, self._root)
-        self._lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-memory")
-        self._durable_lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-durable")
-        self._copy_io = ThreadPoolExecutor(4, thread_name_prefix="omnickpt-copy")
+        # Background work, as the Checkpointer's own persist thread: it yields to training.
+        lower = dict(initializer=background, initargs=(self._ckpt.background_nice,))
+        self._lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-memory", **lower)
+        self._durable_lane = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-durable", **lower)
+        self._copy_io = ThreadPoolExecutor(4, thread_name_prefix="omnickpt-copy", **lower)
         # Re-entrant: the SIGTERM handler runs on the main thread, which may hold it when interrupted.
         self._lock = threading.RLock()
         self._mem_future: Future | None = None        # the memory lane's last job
