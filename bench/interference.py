@@ -47,8 +47,9 @@ def _worker(rank: int, world: int, root: str, workload: str, framework: str, lib
             t_save = time.perf_counter()
             handle = lib.async_save(os.path.join(root, f"{name}-{r}"), model, opt, module)
             n = 0
-            # Step until this rank's part is durable (both libraries' handles say done then).
-            while not handle.done():
+            # Step until the save is durable on every rank. The ranks agree on it before each step:
+            # a DDP/FSDP step is a collective, and one rank stepping once more than the other hangs.
+            while not _everyone(handle.done()):
                 t0 = time.perf_counter()
                 train_step(model, module, opt, gen)
                 busy.append(time.perf_counter() - t0)
@@ -62,6 +63,15 @@ def _worker(rank: int, world: int, root: str, workload: str, framework: str, lib
         lib.close()
         out[name] = {"base": base, "busy": busy, "flight": flights, "steps_in_flight": overlapped}
     return out
+
+
+def _everyone(flag: bool) -> bool:
+    """Every rank: whether `flag` holds on all of them (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,16 @@ class OmniLib:
         self._ckpt.close()
 
 
+class OmniSamePriorityLib(OmniLib):
+    """omnickpt with its background threads at the training thread's priority
+    (Checkpointer(background_nice=None)): what the default's nicer threads are measured against."""
+    name = "omnickpt-samepri"
+
+    def __init__(self):
+        import omnickpt
+        self._ckpt = omnickpt.Checkpointer(background_nice=None)
+
+
 class OmniDedupLib(OmniLib):
     """omnickpt loading with dedup_reads=True: where ranks want the same saved bytes (DDP replicas),
     one rank reads them and forwards them to the others over the process group. Only its load
@@ -141,4 +151,4 @@ class OmniDCPLib(DCPLib):
         return None
 
 
-LIBS = {"omnickpt": OmniLib, "omnickpt-dcp": OmniDCPLib, "omnickpt-dedup": OmniDedupLib, "dcp": DCPLib, "dcp-reuse": DCPReuseLib}
+LIBS = {"omnickpt": OmniLib, "omnickpt-samepri": OmniSamePriorityLib, "omnickpt-dcp": OmniDCPLib, "omnickpt-dedup": OmniDedupLib, "dcp": DCPLib, "dcp-reuse": DCPReuseLib}
