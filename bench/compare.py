@@ -5,8 +5,10 @@
     .venv/bin/python bench/compare.py --bcp      # also run bench/bytecheckpoint.sh first
 
 Same torch, same process layout (2 gloo ranks on CPU, spawned), same state (seeded models after
-one Adam step), same disk (one temporary directory; nothing is dropped from the page cache, so
-loads read what the saves just wrote). For every workload x framework, each library gets three
+one Adam step), same disk (one temporary directory). Every load is timed twice: cold (the checkpoint's files
+evicted from the page cache first, fsync + POSIX_FADV_DONTNEED, as a restarted job finds them: one
+library's save may leave its files cached and another's not) and warm (right after, cached). For
+every workload x framework, each library gets three
 launches: 2 ranks (async saves while training, async totals, durable sync saves, load at the same
 layout), 1 rank (2->1 resharded load, then a 1-rank save), 2 ranks (1->2 resharded load). Each
 figure is the slowest rank's time, median over the repetitions. Results: a table on stdout and
@@ -41,9 +43,12 @@ FIGURES = [
     ("stall_steady", "async stall, steady state", "s"),
     ("stall_first", "async stall, first save", "s"),
     ("async_total", "async total, until committed", "s"),
-    ("load", "load, same layout", "s"),
-    ("load_2to1", "load, resharded 2->1", "s"),
-    ("load_1to2", "load, resharded 1->2", "s"),
+    ("load", "load, same layout, cold", "s"),
+    ("load_2to1", "load, resharded 2->1, cold", "s"),
+    ("load_1to2", "load, resharded 1->2, cold", "s"),
+    ("load_warm", "load, same layout, warm", "s"),
+    ("load_2to1_warm", "load, resharded 2->1, warm", "s"),
+    ("load_1to2_warm", "load, resharded 1->2, warm", "s"),
     ("rss_async", "peak RSS during async saves", "MB"),
     ("rss_load", "peak RSS during load", "MB"),
 ]
@@ -75,6 +80,9 @@ def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None) -> 
         "load": med("loads"),
         "load_2to1": med("loads", b),
         "load_1to2": med("loads", c),
+        "load_warm": med("loads_warm"),
+        "load_2to1_warm": med("loads_warm", b),
+        "load_1to2_warm": med("loads_warm", c),
         "rss_async": max(r["rss_async"]["peak_mb"] for r in a) if has_async else None,
         # After no async phase the process holds less retained memory: not comparable, left out.
         "rss_load": max(r["rss_load"]["peak_mb"] for r in a) if full and has_async else None,
@@ -265,7 +273,7 @@ def main(argv=None) -> int:
     doc = {"environment": environment(root), "libs": libs,
            "settings": {"runs": args.runs, "async_saves": args.async_saves, "steps_between_saves": args.steps,
                         "quick": args.quick, "ranks": 2, "backend": "gloo", "threads_per_rank": 1,
-                        "page_cache": "not dropped (loads read what the saves just wrote)"},
+                        "page_cache": "loads timed cold (files evicted: fsync + POSIX_FADV_DONTNEED) and warm (right after)"},
            "results": {}}
     print(f"checkpoints under {root} ({doc['environment']['filesystem']}); load average "
           f"{doc['environment']['loadavg_start']}", flush=True)
