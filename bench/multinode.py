@@ -45,8 +45,12 @@ def main() -> None:
         args = {"out": out, "shared": c.shared, "s3": "s3://bench/job", "mb": a.mb, "runs": a.runs,
                 "stores": stores, "pg_timeout": 600}
         t = time.time()
+        host_before = [c.counters(k) for k in (0, 1)]
         procs = c.torchrun(os.path.join(REPO, "tests", "nodes_worker.py"), ["bench", json.dumps(args)], nproc=2)
         codes = c.wait(procs, 3600)
+        # From outside the machines: the host ends of their links, over the whole job (start-up included).
+        host = [{net: {way: after[net][way] - before[net][way] for way in after[net]} for net in after}
+                for before, after in zip(host_before, (c.counters(k) for k in (0, 1)))]
         if codes != [0, 0]:
             sys.exit(c.logs(procs))
         nodes = [json.load(open(os.path.join(out, f"bench-node{k}.json"))) for k in (0, 1)]
@@ -64,6 +68,12 @@ def main() -> None:
         print(f"{call:<12} {statistics.median(secs):>9.3f} {str([round(x, 3) for x in secs]):>24}   "
               + "   ".join(f"m{k}: {b['eth0'] / 1e6:.2f} / {b['eth1'] / 1e6:.2f} / {b['eth1_in'] / 1e6:.2f}"
                          for k, b in enumerate(sent)))
+    result["host_counters"] = host
+    for k in (0, 1):
+        inside = sum(result["calls"][call]["bytes_median"][k]["eth1"] for call in result["calls"]) * a.runs
+        print(f"machine {k}, seen from the host over the whole job: {host[k]['storage']['sent'] / 1e6:.1f} MB to "
+              f"storage, {host[k]['fabric']['sent'] / 1e6:.2f} MB to the fabric (the calls' own counters: "
+              f"~{inside / 1e6:.1f} MB to storage)")
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     with open(os.path.join(HERE, "out", "multinode.json"), "w") as f:
         json.dump(result, f, indent=1)
