@@ -15,11 +15,12 @@ with the library's own functions and measured, as bench/plan_scale.py does for t
    manifest's encode / decode / size; one rank's load planning against it (`Manifest.decode(names=)`
    + `plan_reads` of its row slab of every tensor).
 2. Commit fan-in, from the real code: one real save and one load of a small state (one process) to
-   `s3://` through S3Storage with an in-memory S3 client that counts every request by operation and key
+   `s3://` through S3Storage against moto (tests/s3server.py) behind a proxy that logs every request by
+   operation and key
    (the keys' save id and rank made generic): which objects a save writes per rank and per save. Then
    the coordinator's `commit.await_records` on N record files, timed on local disk (the records are
    the JSON a real async save posts, its checksums those of this rank's simulated writes) and counted
-   on the in-memory S3 (LIST pages and GETs).
+   on moto through the proxy (LIST pages and GETs) up to --s3-ranks ranks, by the same rule above.
 3. The S3 request count of one save of --params parameters x --bytes-per-param bytes from --machines
    x --gpus ranks (multipart parts of S3Storage's part size) and the rate it asks of a key prefix if
    the save takes the modelled time, against --prefix-put-limit PUT/s per partitioned prefix.
@@ -37,8 +38,6 @@ import argparse
 import collections
 import dataclasses
 import gc
-import hashlib
-import io
 import json
 import math
 import os
@@ -55,148 +54,78 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))   # s3server: moto and the proxy
 
 import plan_scale  # noqa: E402
 
 
-# ---------------------------------------------------------------------------------------------- S3 stand-in
-class _Body:
-    def __init__(self, data: bytes):
-        self._b = io.BytesIO(data)
+# ---------------------------------------------------------------------------------------------- S3 requests
+def _operation(method: str, path: str) -> tuple[str, str]:
+    """(S3 operation, key) of a path-style request as S3Storage's boto3 client sends it."""
+    from urllib.parse import parse_qs, unquote
+    raw, _, query = path.partition("?")
+    parts = unquote(raw).lstrip("/").split("/", 1)
+    key = parts[1] if len(parts) > 1 else ""
+    q = parse_qs(query, keep_blank_values=True)
+    if method == "GET" and (not key or "list-type" in q):
+        return "ListObjectsV2", q.get("prefix", [""])[0]
+    if method == "POST":
+        return ("CreateMultipartUpload" if "uploads" in q else "CompleteMultipartUpload" if "uploadId" in q
+                else "DeleteObjects" if "delete" in q else "Post"), key
+    if method == "PUT":
+        return ("UploadPart" if "partNumber" in q else "PutObject"), key
+    if method == "DELETE":
+        return ("AbortMultipartUpload" if "uploadId" in q else "DeleteObject"), key
+    return {"GET": "GetObject", "HEAD": "HeadObject"}.get(method, method), key
 
-    def read(self, n: int = -1) -> bytes:
-        return self._b.read(n)
 
-    def readinto(self, mv) -> int:
-        return self._b.readinto(mv)
-
-    def close(self) -> None:
-        pass
-
-
-class CountingS3:
-    """An in-memory stand-in for the boto3 S3 client, with the calls S3Storage makes; every call is
-    one request, counted by operation and by key (a paginator page is one ListObjectsV2)."""
+class S3Requests:
+    """A real S3-compatible server (moto, tests/s3server.py) behind a forwarding proxy that logs every
+    request S3Storage sends through it, by operation and key (a LIST page is one ListObjectsV2). Inside
+    `with`, the AWS_* environment points boto3 at the proxy; `direct` is a client of the server
+    itself, for seeding and reading objects without counting them."""
 
     def __init__(self):
-        self.objects: dict[str, bytes] = {}
-        self.uploads: dict[str, dict[int, bytes]] = {}
         self.log: list[tuple[str, str]] = []
+        self._moto = self._proxy = None
+        self._saved: dict[str, str | None] = {}
 
-    def _n(self, op: str, key: str) -> None:
-        self.log.append((op, key))
+    def __enter__(self) -> "S3Requests":
+        import boto3
+        from s3server import AWS_ENV_TO_CLEAR, FaultProxy, MotoServer, aws_env
+        self._moto = MotoServer().start()
+        # No faults: lose_when only sees each request go by (and never loses one).
+        self._proxy = FaultProxy(self._moto.port, lose_when=lambda m, p: self.log.append(_operation(m, p)) or False)
+        self._proxy.start()
+        env = aws_env(self._proxy.endpoint)
+        for k in list(env) + list(AWS_ENV_TO_CLEAR):
+            self._saved[k] = os.environ.pop(k, None)
+        os.environ.update(env)
+        self.direct = boto3.client("s3", endpoint_url=self._moto.endpoint, aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
+        self.direct.create_bucket(Bucket="bench")
+        return self
 
-    @staticmethod
-    def _error(code: str, status: int, op: str):
-        from botocore.exceptions import ClientError
-        return ClientError({"Error": {"Code": code, "Message": code},
-                            "ResponseMetadata": {"HTTPStatusCode": status}}, op)
-
-    @staticmethod
-    def _data(body) -> bytes:
-        return bytes(body) if isinstance(body, (bytes, bytearray, memoryview)) else body.read()
-
-    def put_object(self, Bucket, Key, Body, ContentLength=None, IfNoneMatch=None):
-        self._n("PutObject", Key)
-        data = self._data(Body)
-        if IfNoneMatch == "*" and Key in self.objects:
-            raise self._error("PreconditionFailed", 412, "PutObject")
-        self.objects[Key] = data
-        return {"ETag": '"%s"' % hashlib.md5(data).hexdigest()}
-
-    def create_multipart_upload(self, Bucket, Key):
-        self._n("CreateMultipartUpload", Key)
-        uid = uuid.uuid4().hex
-        self.uploads[uid] = {}
-        return {"UploadId": uid}
-
-    def upload_part(self, Bucket, Key, UploadId, PartNumber, Body, ContentLength=None):
-        self._n("UploadPart", Key)
-        data = self._data(Body)
-        self.uploads[UploadId][PartNumber] = data
-        return {"ETag": '"%s"' % hashlib.md5(data).hexdigest()}
-
-    def complete_multipart_upload(self, Bucket, Key, UploadId, MultipartUpload):
-        self._n("CompleteMultipartUpload", Key)
-        parts = self.uploads.pop(UploadId)
-        self.objects[Key] = b"".join(parts[p["PartNumber"]] for p in MultipartUpload["Parts"])
-        return {}
-
-    def abort_multipart_upload(self, Bucket, Key, UploadId):
-        self._n("AbortMultipartUpload", Key)
-        self.uploads.pop(UploadId, None)
-
-    def get_object(self, Bucket, Key, Range=None):
-        self._n("GetObject", Key)
-        if Key not in self.objects:
-            raise self._error("NoSuchKey", 404, "GetObject")
-        data = self.objects[Key]
-        if Range is None:
-            return {"Body": _Body(data), "ContentLength": len(data)}
-        a, b = (int(x) for x in Range[len("bytes="):].split("-"))
-        b = min(b, len(data) - 1)
-        return {"Body": _Body(data[a:b + 1]), "ContentLength": b + 1 - a, "ContentRange": f"bytes {a}-{b}/{len(data)}"}
-
-    def head_object(self, Bucket, Key):
-        self._n("HeadObject", Key)
-        if Key not in self.objects:
-            raise self._error("404", 404, "HeadObject")
-        return {"ContentLength": len(self.objects[Key]), "ETag": '"x"'}
-
-    def list_objects_v2(self, Bucket, Prefix="", MaxKeys=1000, Delimiter=None, ContinuationToken=None):
-        self._n("ListObjectsV2", Prefix)
-        keys = sorted(k for k in self.objects if k.startswith(Prefix))
-        start = int(ContinuationToken or 0)
-        page_keys, contents, prefixes = keys[start:], [], []
-        for k in page_keys:
-            if len(contents) + len(prefixes) >= MaxKeys:
-                break
-            rest = k[len(Prefix):]
-            if Delimiter and Delimiter in rest:
-                p = Prefix + rest.split(Delimiter)[0] + Delimiter
-                if p not in prefixes:
-                    prefixes.append(p)
-                start += 1
-                continue
-            contents.append({"Key": k, "Size": len(self.objects[k])})
-            start += 1
-        page = {"Contents": contents, "KeyCount": len(contents) + len(prefixes)}
-        if prefixes:
-            page["CommonPrefixes"] = [{"Prefix": p} for p in prefixes]
-        if start < len(keys):
-            page["IsTruncated"], page["NextContinuationToken"] = True, str(start)
-        return page
-
-    def get_paginator(self, name):
-        client = self
-
-        class _Pages:
-            def paginate(self, **kw):
-                token = None
-                while True:
-                    page = client.list_objects_v2(**kw, ContinuationToken=token)
-                    yield page
-                    if not page.get("IsTruncated"):
-                        return
-                    token = page["NextContinuationToken"]
-        return _Pages()
-
-    def delete_object(self, Bucket, Key):
-        self._n("DeleteObject", Key)
-        self.objects.pop(Key, None)
-
-    def delete_objects(self, Bucket, Delete):
-        self._n("DeleteObjects", f"{len(Delete['Objects'])} keys")
-        for o in Delete["Objects"]:
-            self.objects.pop(o["Key"], None)
-        return {}
+    def __exit__(self, *exc) -> None:
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._proxy.stop()
+        self._moto.stop()
 
     def counts(self, since: int = 0) -> dict[str, dict[str, int]]:
-        """{operation: {generic key: requests}} of the calls after the first `since`."""
+        """{operation: {generic key: requests}} of the requests after the first `since`."""
         out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         for op, key in self.log[since:]:
             out[op][_generic(key)] += 1
         return {op: dict(c) for op, c in sorted(out.items())}
+
+    def keys(self, prefix: str) -> dict[str, int]:
+        """{key: size} under `prefix`, read from the server directly (not counted)."""
+        pages = self.direct.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix)
+        return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
 _SAVE_ID = re.compile(r"[0-9a-f]{16,32}")
@@ -205,15 +134,6 @@ _RANK = re.compile(r"r\d{5}")
 
 def _generic(key: str) -> str:
     return _RANK.sub("r<rank>", _SAVE_ID.sub("<id>", key))
-
-
-def _install(fake: CountingS3):
-    """Make every new S3Storage use `fake` (S3Storage asks s3._client for its client; bench only, no
-    library change). Returns the function to put back."""
-    import omnickpt.storage.s3 as s3mod
-    old = s3mod._client
-    s3mod._client = lambda *a, **k: fake
-    return old
 
 
 # ---------------------------------------------------------------------------------------------- 1. exchanges
@@ -314,26 +234,15 @@ def bench_load_slice(data: bytes, names: list[str], ranks: int, runs: int, rank:
 
 
 # ---------------------------------------------------------------------------------------------- 2. fan-in
-def real_save_counts(part_mb: int) -> dict:
+def real_save_counts(part_mb: int, s3: S3Requests) -> dict:
     """One real async save, one sync save and one load of a small state (one process) to s3:// through
-    S3Storage and the counting client: requests by operation and generic key. Also returns the
-    record the async save posted (its timings are a real rank's)."""
+    S3Storage, against moto: requests by operation and generic key. Also returns the record the
+    async save posted (read back from the server: its timings are a real rank's)."""
     import torch
 
     import omnickpt
-    import omnickpt.commit as commit_mod
-    import omnickpt.storage.s3 as s3mod
-    fake = CountingS3()
-    old_client = _install(fake)
     old_part = os.environ.get("OMNICKPT_S3_PART_SIZE")
     os.environ["OMNICKPT_S3_PART_SIZE"] = str(part_mb << 20)
-    posted: list[dict] = []
-    real_post = commit_mod.post_record
-
-    def capture(storage, save_id, rank, record):
-        posted.append(dict(record, rank=rank))
-        return real_post(storage, save_id, rank, record)
-    commit_mod.post_record = capture
     try:
         torch.manual_seed(0)
         # 8 tensors of 1.5 MiB + one of 3 MiB (15 MiB) and a few objects; with 5 MiB parts the data file
@@ -342,22 +251,22 @@ def real_save_counts(part_mb: int) -> dict:
                  "big": torch.randn(768, 1024), "extra": {"step": 100, "lr": 1e-4}}
         out = {"state_bytes": sum(t.numel() * 4 for t in state["model"].values()) + state["big"].numel() * 4}
         for kind, kw in (("async_save", {"async_save": True}), ("sync_save", {})):
-            mark = len(fake.log)
+            mark = len(s3.log)
             omnickpt.save(f"s3://bench/run/{kind}", state, **kw).wait()
-            out[kind] = fake.counts(mark)
-        mark = len(fake.log)
+            out[kind] = s3.counts(mark)
+        mark = len(s3.log)
         target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
                   "big": torch.empty_like(state["big"]), "extra": {}}
         omnickpt.load("s3://bench/run/sync_save", target)
-        out["load"] = fake.counts(mark)
+        out["load"] = s3.counts(mark)
         assert torch.equal(target["big"], state["big"])
-        data_keys = [k for k in fake.objects if "/data/" in k]
-        out["data_object_bytes"] = {_generic(k): len(fake.objects[k]) for k in data_keys}
-        out["record"] = posted[0] if posted else None
+        objects = s3.keys("run/")
+        out["data_object_bytes"] = {_generic(k): n for k, n in objects.items() if "/data/" in k}
+        posted = [k for k in objects if k.startswith("run/async_save/.omnickpt/") and k.endswith("/r00000.json")]
+        out["record"] = (json.loads(s3.direct.get_object(Bucket="bench", Key=posted[0])["Body"].read())
+                         if posted else None)
         out["part_size"] = part_mb << 20
     finally:
-        commit_mod.post_record = real_post
-        s3mod._client = old_client
         if old_part is None:
             os.environ.pop("OMNICKPT_S3_PART_SIZE", None)
         else:
@@ -365,7 +274,7 @@ def real_save_counts(part_mb: int) -> dict:
     return out
 
 
-def bench_await_records(records: list[dict], ranks: int, work_dir: str) -> dict:
+def bench_await_records(records: list[dict], ranks: int, work_dir: str, s3: S3Requests, s3_ranks: int) -> dict:
     """The coordinator's commit.await_records on `ranks` record files already posted: on local disk
     (timed) and on the counting S3 (requests counted). records: those of ranks 0 and 1 (rank r >= 1
     posts rank 1's record with its own rank number: the same size)."""
@@ -392,17 +301,24 @@ def bench_await_records(records: list[dict], ranks: int, work_dir: str) -> dict:
         assert len(got) == ranks
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    fake = CountingS3()
-    s3 = S3Storage("s3://bench/run/step", client=fake)
-    for r, b in enumerate(blobs):
-        fake.objects[s3._key(commit_mod.record_path(save_id, r))] = b
-    mark = len(fake.log)
-    t0 = time.perf_counter()
-    commit_mod.await_records(s3, save_id, ranks, 600, "scale_sim")
-    mem_s = time.perf_counter() - t0
-    ops = collections.Counter(op for op, _ in fake.log[mark:])
-    return {"ranks": ranks, "record_bytes_total": sum(map(len, blobs)), "local_disk_s": local_s,
-            "s3_requests": dict(ops), "s3_in_memory_s": mem_s}
+    out = {"ranks": ranks, "record_bytes_total": sum(map(len, blobs)), "local_disk_s": local_s}
+    if s3_ranks and ranks <= s3_ranks:
+        # The same records on the S3 server (seeded directly, not counted), then the coordinator's wait
+        # through S3Storage and the logging proxy. Above s3_ranks the counts follow the same rule (one
+        # LIST page per 1,000 keys, one GET per record): seeding 16,384 objects into moto takes minutes.
+        store = S3Storage("s3://bench/fanin")
+        for r, b in enumerate(blobs):
+            s3.direct.put_object(Bucket="bench", Key=store._key(commit_mod.record_path(save_id, r)), Body=b)
+        mark = len(s3.log)
+        t0 = time.perf_counter()
+        commit_mod.await_records(store, save_id, ranks, 600, "scale_sim")
+        out["s3_seconds_moto"] = time.perf_counter() - t0
+        out["s3_requests"] = dict(collections.Counter(op for op, _ in s3.log[mark:]))
+        out["s3_counted"] = True
+    else:
+        out["s3_requests"] = {"ListObjectsV2": math.ceil(ranks / 1000), "GetObject": ranks}
+        out["s3_counted"] = False
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- 3-4. model
@@ -496,6 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replicated", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--work-dir", default=tempfile.gettempdir(), help="where record files are written for the fan-in")
+    ap.add_argument("--s3-ranks", type=int, default=2048,
+                    help="count the commit's S3 requests on the server up to this many ranks (rule above it)")
     m = ap.add_argument_group("model (every figure here is an assumption or a measurement given as input)")
     m.add_argument("--machines", type=int, default=1024)
     m.add_argument("--gpus", type=int, default=8)
@@ -541,8 +459,14 @@ def main(argv=None) -> int:
                                prev["real_save_counts"]), args)
         return 0
 
+    with S3Requests() as s3:
+        return _simulate(args, s3, ranks_list, runs, t_start, load0)
+
+
+def _simulate(args, s3: S3Requests, ranks_list: list[int], runs: int, t_start: float, load0) -> int:
+    """main()'s simulation, with the S3 server and its request log up."""
     # 2a. the real code's objects per save (first: it captures a real rank's commit record)
-    counts = real_save_counts(5)
+    counts = real_save_counts(5, s3)
     record = counts["record"]
     per_rank_small = sum(n for op in ("PutObject",) for key, n in counts["async_save"].get(op, {}).items()
                          if "r<rank>" in key and "/data/" not in key)
@@ -584,7 +508,7 @@ def main(argv=None) -> int:
         gc.collect()
         print(f"[{n} ranks] one rank's load plan: decode {sl['tensors_loaded']} tensors {sl['decode_s_median']:.3f} s "
               f"+ plan_reads {sl['plan_reads_s_median']:.3f} s -> {sl['read_items']} read items", flush=True)
-        fa = bench_await_records(recs, n, args.work_dir)
+        fa = bench_await_records(recs, n, args.work_dir, s3, args.s3_ranks)
         print(f"[{n} ranks] commit fan-in: await_records on {n:,} record files "
               f"({fa['record_bytes_total'] / 1e6:.1f} MB): "
               f"local disk {fa['local_disk_s']:.2f} s; on S3: {fa['s3_requests']} requests", flush=True)

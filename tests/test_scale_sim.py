@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_scale_sim_quick_adds_up(tmp_path):
     pytest.importorskip("boto3")   # the real save to s3:// goes through S3Storage (an optional extra)
+    pytest.importorskip("moto")    # ... to a real S3-compatible server (tests/s3server.py)
     ranks = (64, 128)
     tensors, replicated = 40, 4
     proc = subprocess.run([sys.executable, "bench/scale_sim.py", "--quick", "--ranks", ",".join(map(str, ranks)),
