@@ -311,8 +311,9 @@ def bench_await_records(records: list[dict], ranks: int, work_dir: str, s3: S3Re
             s3.direct.put_object(Bucket="bench", Key=store._key(commit_mod.record_path(save_id, r)), Body=b)
         mark = len(s3.log)
         t0 = time.perf_counter()
-        commit_mod.await_records(store, save_id, ranks, 600, "scale_sim")
+        got = commit_mod.await_records(store, save_id, ranks, 600, "scale_sim")
         out["s3_seconds_moto"] = time.perf_counter() - t0
+        assert [g["rank"] for g in got] == list(range(ranks)), "a record came back for the wrong rank"
         out["s3_requests"] = dict(collections.Counter(op for op, _ in s3.log[mark:]))
         out["s3_counted"] = True
     else:
