@@ -155,40 +155,50 @@ def bench_manifest(boxes: int, ranks: int, runs: int) -> dict:
             "make_manifest_s": build_s}
 
 
-def bench_slice(boxes: int, ranks: int, runs: int, stages: int = 8, dp: int = 64) -> dict:
-    """One rank of a job of `stages` pipeline stages x `dp` FSDP ranks loads a manifest of
-    `boxes` boxes: it decodes only its stage's tensors and plans reads of its row slab of each."""
-    from omnickpt.format import Manifest
-    from omnickpt.layout import Box
-    from omnickpt.planner import plan_reads
-    data = make_manifest(boxes, ranks).encode()
-    index = Manifest.decode(data, names=[])     # the tensor names and shapes come from the header
-    del index
-    names = [f"model/layers.{t}.mlp.fc1.weight" for t in range(boxes // 1000)]
-    mine = names[:len(names) // stages]
+def time_slice(data: bytes, names: list[str], box_of, runs: int) -> dict:
+    """One rank's load planning, timed `runs` times: decode only `names` from the encoded manifest
+    `data`, then plan_reads of box_of(name, global shape) for each. Returns the runs' times (decode,
+    plan_reads, both) and the read items' count."""
     from omnickpt.engine.staging import gc_paused
-    decode, plan, total = [], [], []
+    from omnickpt.format import Manifest
+    from omnickpt.planner import plan_reads
+    decode, plan, total, items = [], [], [], []
     for _ in range(runs):
         gc.collect()
         # A load decodes and plans with the cyclic collector paused (Checkpointer._plan_load):
         # measured the same way, or collections walking the heap would be most of the figure.
         with gc_paused():
             t0 = time.perf_counter()
-            m = Manifest.decode(data, names=mine)
+            m = Manifest.decode(data, names=names)
             t1 = time.perf_counter()
-            wanted = []
-            for name in mine:
-                rows, cols = m.tensors[name].shape
-                k = rows // dp
-                wanted.append((name, Box((3 * k, 0), (k, cols))))    # FSDP rank 3 of its stage
-            items = plan_reads(m, wanted)
+            items = plan_reads(m, [(name, box_of(name, m.tensors[name].shape)) for name in names])
             t2 = time.perf_counter()
         decode.append(t1 - t0)
         plan.append(t2 - t1)
         total.append(t2 - t0)
-    return {"boxes": boxes, "manifest_bytes": len(data), "tensors_loaded": len(mine), "read_items": len(items),
-            "decode_s_median": statistics.median(decode), "plan_reads_s_median": statistics.median(plan),
-            "total_s_median": statistics.median(total), "total_s_all": total}
+        del m
+    return {"decode": decode, "plan": plan, "total": total, "read_items": len(items)}
+
+
+def bench_slice(boxes: int, ranks: int, runs: int, stages: int = 8, dp: int = 64) -> dict:
+    """One rank of a job of `stages` pipeline stages x `dp` FSDP ranks loads a manifest of
+    `boxes` boxes: it decodes only its stage's tensors and plans reads of its row slab of each."""
+    from omnickpt.format import Manifest
+    from omnickpt.layout import Box
+    data = make_manifest(boxes, ranks).encode()
+    index = Manifest.decode(data, names=[])     # the tensor names and shapes come from the header
+    del index
+    names = [f"model/layers.{t}.mlp.fc1.weight" for t in range(boxes // 1000)]
+    mine = names[:len(names) // stages]
+
+    def box_of(name, shape):   # FSDP rank 3 of its stage
+        rows, cols = shape
+        k = rows // dp
+        return Box((3 * k, 0), (k, cols))
+    t = time_slice(data, mine, box_of, runs)
+    return {"boxes": boxes, "manifest_bytes": len(data), "tensors_loaded": len(mine), "read_items": t["read_items"],
+            "decode_s_median": statistics.median(t["decode"]), "plan_reads_s_median": statistics.median(t["plan"]),
+            "total_s_median": statistics.median(t["total"]), "total_s_all": t["total"]}
 
 
 def main(argv=None) -> int:

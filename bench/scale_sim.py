@@ -204,36 +204,16 @@ def bench_commit_side(plan, runs: int, timings: dict) -> tuple[dict, bytes, list
 def bench_load_slice(data: bytes, names: list[str], ranks: int, runs: int, rank: int = 3) -> dict:
     """One rank of the same layout loads its row slab of every tensor: it decodes only the tensors it
     loads (all of them here: every rank holds a slab of each) and plans its reads."""
-    from omnickpt.engine.staging import gc_paused
-    from omnickpt.format import Manifest
     from omnickpt.layout import Box
-    from omnickpt.planner import plan_reads
-    names = list(names)
-    dec, plan, items = [], [], []
-    for _ in range(runs):
-        gc.collect()
-        with gc_paused():
-            t0 = time.perf_counter()
-            m = Manifest.decode(data, names=names)
-            t1 = time.perf_counter()
-            wanted = []
-            for name in names:
-                shape = m.tensors[name].shape
-                if len(shape) == 2 and shape[0] == ranks * 4:
-                    wanted.append((name, Box((rank * 4, 0), (4, shape[1]))))
-                else:
-                    wanted.append((name, Box.full(shape)))
-            items = plan_reads(m, wanted)
-            t2 = time.perf_counter()
-        dec.append(t1 - t0)
-        plan.append(t2 - t1)
-        del m
-    return {"tensors_loaded": len(names), "read_items": len(items), "decode_s_median": statistics.median(dec),
-            "plan_reads_s_median": statistics.median(plan),
-            "total_s_median": statistics.median(dec) + statistics.median(plan)}
+
+    def box_of(name, shape):   # its slab of a sharded tensor, a replicated one whole
+        return Box((rank * 4, 0), (4, shape[1])) if len(shape) == 2 and shape[0] == ranks * 4 else Box.full(shape)
+    t = plan_scale.time_slice(data, list(names), box_of, runs)
+    dec, plan = statistics.median(t["decode"]), statistics.median(t["plan"])
+    return {"tensors_loaded": len(names), "read_items": t["read_items"], "decode_s_median": dec,
+            "plan_reads_s_median": plan, "total_s_median": dec + plan}
 
 
-# ---------------------------------------------------------------------------------------------- 2. fan-in
 def real_save_counts(part_mb: int, s3: S3Requests) -> dict:
     """One real async save, one sync save and one load of a small state (one process) to s3:// through
     S3Storage, against moto: requests by operation and generic key. Also returns the record the

@@ -175,7 +175,7 @@ class Checkpointer:
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="omnickpt-persist", initializer=background,
                                            initargs=(background_nice,))
         self.background_nice = background_nice
-        self._copier: ThreadPoolExecutor | None = None   # made by the first lazy snapshot (_snapshot_thread)
+        self._copier: ThreadPoolExecutor | None = None   # the lazy snapshots' thread (_snapshot_thread)
         # Started now: an executor starts its thread at the first submit, which would be inside the
         # first async save's stall (a few ms per thread).
         for pool in (self._persist, self._snapshot_thread()):

@@ -15,8 +15,9 @@ import threading
 
 log = logging.getLogger("omnickpt")
 
-# ioprio_set(2): which = IOPRIO_WHO_PROCESS (a task id: this thread), prio = class << 13 | level.
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}
+# ioprio_set(2) / ioprio_get(2) syscall numbers; which = IOPRIO_WHO_PROCESS (a task id: this thread),
+# prio = class << 13 | level.
+_IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "arm64": (30, 31)}
 _IOPRIO_WHO_PROCESS = 1
 _IOPRIO_CLASS_BE = 2
 _IOPRIO_LOWEST_BE = (_IOPRIO_CLASS_BE << 13) | 7
@@ -35,9 +36,10 @@ def background(nice: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, current + nice))
     except (AttributeError, OSError) as e:
         log.debug("omnickpt: background thread %d keeps its CPU priority: %s", tid, e)
-    number = _IOPRIO_SET.get(platform.machine())
-    if number is None:
+    numbers = _IOPRIO_SYSCALLS.get(platform.machine())
+    if numbers is None:
         return
+    number = numbers[0]
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, _IOPRIO_LOWEST_BE) != 0:
@@ -49,9 +51,9 @@ def background(nice: int | None) -> None:
 def thread_priority(tid: int) -> tuple[int, int | None]:
     """(nice, ioprio) of thread `tid` (ioprio None where it cannot be read): what tests check."""
     nice = os.getpriority(os.PRIO_PROCESS, tid)
-    number = {"x86_64": 252, "aarch64": 31, "arm64": 31}.get(platform.machine())
-    if number is None:
+    numbers = _IOPRIO_SYSCALLS.get(platform.machine())
+    if numbers is None:
         return nice, None
     libc = ctypes.CDLL(None, use_errno=True)
-    got = libc.syscall(number, _IOPRIO_WHO_PROCESS, tid)
+    got = libc.syscall(numbers[1], _IOPRIO_WHO_PROCESS, tid)
     return nice, (got if got >= 0 else None)
