@@ -2,22 +2,32 @@
 whose measured cost stays under a fraction of the training time) or "continuous" (the next save as
 soon as the previous one is durable, Orbax's continuous mode).
 
-The cost of one asynchronous save is what training loses to it: the stall (the loop waits for the
-snapshot) plus the interference (steps that run while the save is in flight are slower, because
-the save's copying, checksumming and writing share the cores and the memory bus). Both are
-measured on the job itself, from the times at which the manager's save() is called:
+The cost of one save is what training loses to it, measured the way a stopwatch outside the job
+would: every step that a save affected against the baseline step time.
 
-    overhead(k) = (stall + interference) / (k * step)          for a save every k steps
+- The **baseline** is the median of recent *quiet* steps: no save in flight, and not the first
+  `SETTLE` step(s) after one became durable (a save's tail - write-back, freed memory, a finishing
+  thread - still slows the step after it; measuring against that step understated the cost).
+  A **profiling window** at start: after the first save (a resume point at the first call),
+  "auto" saves again only once `PROFILE_STEPS` quiet steps are measured. The baseline is refreshed
+  all along: every interval "auto" chooses leaves at least one quiet step after each save's
+  flight and settling step, and the window keeps the newest `_WINDOW` of them.
+- The **affected steps** of a save are the steps from its call until it is durable (the first one
+  holds its stall) plus the settling step(s). Its **cost** is their time minus as many baseline
+  steps. The interference is that cost less the stall.
 
-and "auto" picks the smallest k with overhead(k) <= max_overhead, and never one so small that a save
-would start before the previous one is durable and a step has run with none in flight
-(k >= ceil(background / step) + 1: that quiet step is what the slowdown is measured against),
-capped by max_interval.
+    overhead(k) = cost / (k * baseline)          for a save every k steps
 
-`choose_interval` is the pure rule; `Cadence` keeps the measurements (medians of the recent ones,
-so one slow step or save does not swing the interval) and answers `due(step)`; neither touches
-storage or processes. `CadencePolicy` is the manager's save decision built on them: it times the
-manager's saves, asks `Cadence`, and makes the ranks decide alike (through the manager's comm).
+"auto" picks the smallest k with overhead(k) <= max_overhead and k >= (steps in flight) + SETTLE + 1
+(one quiet step at least after each save, to keep the baseline fresh), capped by max_interval.
+Costs and flights are medians over the recent saves, the baseline over the recent quiet steps, so
+one slow step or save does not swing the interval; on a noisy machine a single save's cost can come
+out negative, and is kept so that the median is not biased upwards.
+
+`choose_interval` is the pure rule; `Cadence` keeps the measurements and answers `due(step)`;
+neither touches storage or processes. `CadencePolicy` is the manager's save decision built on them:
+it times the manager's saves, asks `Cadence`, and makes the ranks decide alike (through the
+manager's comm). bench/cadence.py checks the report against a stopwatch outside the manager.
 
 A save that fails (on_error="warn" lets training go on) still counts as the cadence's attempt: the
 next one is due an interval after it, not at the next step. Failures in a row space the attempts
@@ -37,6 +47,8 @@ from dataclasses import dataclass
 MODES = ("auto", "continuous")
 _WINDOW = 16   # recent measurements kept for each median
 MAX_BACKOFF = 8   # after failed saves in a row, attempts at most this many intervals apart
+SETTLE = 1        # steps after a save became durable that still count as affected by it
+PROFILE_STEPS = 4  # quiet steps measured before "auto" chooses its first interval
 
 
 def backoff(failures: int) -> int:
@@ -76,64 +88,107 @@ def check_cadence(every: int | str, max_overhead: float, max_interval: int) -> N
 class CadenceReport:
     mode: str
     interval: int | None
-    step_s: float | None
+    step_s: float | None             # the baseline: median of recent quiet steps
     stall_s: float | None
-    background_s: float | None
-    interference_s: float | None
-    overhead: float | None          # measured: (stall + interference) / (interval * step)
+    background_s: float | None       # call to durable
+    interference_s: float | None     # cost less the stall
+    overhead: float | None           # cost / (interval * step)
     max_overhead: float | None
-    steps_in_flight: float | None = None   # steps that ran while a save was in flight, per save (median)
+    steps_in_flight: float | None = None   # steps from a save's call until durable, per save (median)
     failures_in_a_row: int = 0              # failed saves since the last one that succeeded (backoff)
+    cost_s: float | None = None             # per save: the affected steps' time less as many baseline steps
+    steps_affected: float | None = None     # per save (median): in flight + SETTLE
+    quiet_steps: int = 0                    # quiet steps in the baseline's window
+    profiling: bool = False                 # "auto" still measuring its baseline (no interval chosen yet)
+
+
+@dataclass
+class _Flight:
+    """One save's affected steps, accumulated call by call."""
+    stall: float
+    seconds: float = 0.0      # time of the affected steps (between save() calls)
+    steps: int = 0
+    flight_steps: int = 0     # of which until durable
+    background: float | None = None    # call to durable; None while in flight
+    settle_left: int = SETTLE
 
 
 class Cadence:
     """Whether a step is due for a save. `every`: an int (a fixed interval), "auto" or "continuous".
 
-    The manager calls `observe_call(step, now, in_flight)` at every save() call (it learns the step
-    time from consecutive calls, and whether a save was in flight during those steps),
-    `observe_save(stall_s, background_s)` once a save it started is durable, `saved(step)` when a
-    save starts, `failed(step)` when one fails and `succeeded()` when one is known committed, and
-    `due(step, in_flight)` to decide."""
+    The manager calls `observe_call(step, now)` at every save() call (the time between calls is the
+    step time), `started(step, stall_s)` when a save has started, `durable(background_s)` once it is
+    durable (sync saves: at once), `failed(step)` when one fails and `succeeded()` when one is known
+    committed, and `due(step, in_flight)` to decide."""
 
     def __init__(self, every: int | str, *, max_overhead: float = 0.02, max_interval: int = 10_000):
         check_cadence(every, max_overhead, max_interval)
         self.every, self.max_overhead, self.max_interval = every, float(max_overhead), max_interval
         self._last_call: tuple[int, float] | None = None
-        self._steps: dict[bool, deque[float]] = {False: deque(maxlen=_WINDOW), True: deque(maxlen=_WINDOW)}
-        self._stalls: deque[float] = deque(maxlen=_WINDOW)
-        self._backgrounds: deque[float] = deque(maxlen=_WINDOW)
-        self._in_flight_steps: deque[int] = deque(maxlen=_WINDOW)
+        self._quiet: deque[float] = deque(maxlen=_WINDOW)      # seconds per quiet step
+        self._open: _Flight | None = None                      # the save whose affected steps run now
+        self._saves: deque[_Flight] = deque(maxlen=_WINDOW)    # closed: every affected step measured
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
-        # ranks agreed on (the coordinator's, handed out at each save), with the measurements it was
+        # ranks agreed on (the coordinator's, handed out at each save), with the report it was
         # chosen from; None: this rank's own, on its measurements now.
         self.agreed: int | None = None
-        self._basis: tuple[float | None, float | None, float | None, float | None] | None = None
+        self._agreed_report: CadenceReport | None = None
 
     # ------------------------------------------------------------------ measurements
-    def observe_call(self, step: int, now: float, in_flight: bool) -> None:
-        """A save() call at `step`, at monotonic time `now`; `in_flight`: a save of ours was in flight
-        during the steps since the previous call."""
+    def observe_call(self, step: int, now: float, in_flight: bool | None = None) -> None:
+        """A save() call at `step`, at monotonic time `now`: the steps since the previous call were
+        affected by the save open now, or quiet. (`in_flight` is not needed: kept for callers.)"""
         if self._last_call is not None:
             prev_step, prev_t = self._last_call
             if step > prev_step and now > prev_t:
-                self._steps[in_flight].append((now - prev_t) / (step - prev_step))
+                self._count(now - prev_t, step - prev_step)
         self._last_call = (step, now)
 
-    def observe_save(self, stall_s: float, background_s: float, steps_in_flight: int | None = None) -> None:
-        self._stalls.append(max(stall_s, 0.0))
-        self._backgrounds.append(max(background_s, 0.0))
-        if steps_in_flight is not None:
-            self._in_flight_steps.append(steps_in_flight)
+    def _count(self, seconds: float, steps: int) -> None:
+        f = self._open
+        if f is None:
+            self._quiet.append(seconds / steps)
+            return
+        f.seconds += seconds
+        f.steps += steps
+        if f.background is None or f.flight_steps == 0:   # the steps after its call hold its stall
+            f.flight_steps += steps
+        else:
+            f.settle_left -= steps
+            if f.settle_left <= 0:
+                self._close()
+
+    def _close(self) -> None:
+        if self._open is not None and self._open.steps > 0:
+            self._saves.append(self._open)
+        self._open = None
+
+    def started(self, step: int, stall_s: float) -> None:
+        """A save started at `step` (after its stall): the steps from its call on are its own. A save
+        still settling is closed (a new save in its settling step takes that step's time)."""
+        self._close()
+        self._open = _Flight(stall=max(stall_s, 0.0))
+        self._last_saved = step
+
+    def durable(self, background_s: float) -> None:
+        """The open save is durable, `background_s` after its call: SETTLE more steps count as its."""
+        if self._open is not None and self._open.background is None:
+            self._open.background = max(background_s, 0.0)
 
     def saved(self, step: int) -> None:
         self._last_saved = step
 
+    @property
+    def last_saved(self) -> int | None:
+        """The step of the last attempt, failed or not (None before the first)."""
+        return self._last_saved
+
     def failed(self, step: int | None) -> None:
         """The save attempted at `step` failed (None: an async save, found failed later, whose
-        attempt was already counted by saved()): it counts as the attempt, and as one more failure
-        in a row."""
+        attempt was already counted by started()): it counts as the attempt, and as one more failure
+        in a row. (The steps it affected still cost training their time: measured as a save's.)"""
         if step is not None:
             self._last_saved = step
         self.failures += 1
@@ -144,48 +199,52 @@ class Cadence:
     # ------------------------------------------------------------------ decisions
     @property
     def step_s(self) -> float | None:
-        quiet = self._steps[False] or self._steps[True]
-        return statistics.median(quiet) if quiet else None
+        """The baseline: seconds per quiet step (median of the recent ones)."""
+        return statistics.median(self._quiet) if self._quiet else None
+
+    def profiling(self) -> bool:
+        """"auto" has no interval yet: no save measured to its end, or fewer than PROFILE_STEPS quiet steps."""
+        return self.every == "auto" and (len(self._quiet) < PROFILE_STEPS or self._medians() is None)
+
+    def _medians(self) -> dict | None:
+        base = self.step_s
+        done = [f for f in self._saves if f.background is not None]
+        if base is None or not done:
+            return None
+        med = statistics.median
+        cost = med(f.seconds - base * f.steps for f in done)
+        stall = med(f.stall for f in done)
+        return {"step": base, "stall": stall, "background": med(f.background for f in done),
+                "cost": cost, "interference": cost - stall, "flight": med(f.flight_steps for f in done),
+                "affected": med(f.steps for f in done)}
 
     def interference_s(self) -> float:
-        """Training time lost per save to its background work: the slowdown of a step with a save
-        in flight, times the steps that run while one is."""
-        quiet, busy = self._steps[False], self._steps[True]
-        if not quiet or not busy:
-            return 0.0
-        per_step = max(statistics.median(busy) - statistics.median(quiet), 0.0)
-        flights = statistics.median(self._in_flight_steps) if self._in_flight_steps else 1
-        return per_step * flights
+        """Training time lost per save beyond its stall (the steps it affected, against the baseline)."""
+        m = self._medians()
+        return max(m["interference"], 0.0) if m else 0.0
 
     def interval(self) -> int | None:
-        """Steps between saves under the current measurements (None in continuous mode)."""
+        """Steps between saves under the current measurements (None in continuous mode, and while
+        "auto" is profiling)."""
         if isinstance(self.every, int):
             return self.every
-        if self.every == "continuous":
+        if self.every == "continuous" or self.profiling():
             return None
-        step = self.step_s
-        if step is None or not self._stalls:
-            return 1      # nothing measured yet: save, and learn from it
-        return choose_interval(step, statistics.median(self._stalls), statistics.median(self._backgrounds),
-                               self.interference_s(), max_overhead=self.max_overhead,
-                               max_interval=self.max_interval)
+        m = self._medians()
+        return choose_interval(m["step"], max(m["cost"], 0.0), 0.0, max_overhead=self.max_overhead,
+                               max_interval=self.max_interval,
+                               min_interval=min(self.max_interval, math.ceil(m["flight"]) + SETTLE + 1))
 
-    def basis(self) -> tuple[float | None, float | None, float | None, float | None]:
-        """The measurements an interval is chosen from now: (step, stall, background, interference)."""
-        stall = statistics.median(self._stalls) if self._stalls else None
-        background = statistics.median(self._backgrounds) if self._backgrounds else None
-        return self.step_s, stall, background, (self.interference_s() if stall is not None else None)
-
-    def adopt(self, interval: int, basis: tuple[float | None, float | None, float | None, float | None]) -> None:
-        """Put in force an interval the ranks agreed on and the measurements it was chosen from
-        (the report then says the same interval and the figures that give it)."""
-        self.agreed, self._basis = interval, tuple(basis)
+    def adopt(self, interval: int | None, report: CadenceReport | None) -> None:
+        """Put in force an interval the ranks agreed on and the report it was chosen from (the
+        report then says the same interval and the figures that give it)."""
+        self.agreed, self._agreed_report = interval, report
 
     def due(self, step: int, in_flight: bool) -> bool:
         if self.every == "continuous" and in_flight:
             return False
         if self.failures and self._last_saved is not None:
-            interval = 1 if self.every == "continuous" else (self.agreed or self.interval())
+            interval = 1 if self.every == "continuous" else (self.agreed or self.interval() or 1)
             return step - self._last_saved >= interval * backoff(self.failures)
         if self.every == "continuous":
             return not in_flight
@@ -193,23 +252,29 @@ class Cadence:
             return True
         if isinstance(self.every, int):
             return step % self.every == 0 or step - self._last_saved >= self.every
-        return step - self._last_saved >= (self.agreed or self.interval())
+        interval = self.agreed or self.interval()
+        return interval is not None and step - self._last_saved >= interval
+
+    def own_report(self) -> CadenceReport:
+        """This rank's measurements and the interval they give."""
+        interval, m = self.interval(), self._medians()
+        overhead = None
+        if interval and m:
+            overhead = max(m["cost"], 0.0) / (interval * m["step"])
+        g = (lambda k: m[k]) if m else (lambda k: None)   # noqa: E731
+        stall = g("stall") if m else (statistics.median(f.stall for f in self._saves) if self._saves else None)
+        return CadenceReport(mode=str(self.every) if not isinstance(self.every, int) else "fixed", interval=interval,
+                             step_s=self.step_s, stall_s=stall, background_s=g("background"),
+                             interference_s=(max(m["interference"], 0.0) if m else None), overhead=overhead,
+                             max_overhead=self.max_overhead if self.every == "auto" else None,
+                             steps_in_flight=g("flight"), failures_in_a_row=self.failures,
+                             cost_s=g("cost"), steps_affected=g("affected"), quiet_steps=len(self._quiet),
+                             profiling=self.profiling())
 
     def report(self) -> CadenceReport:
-        if self.every == "auto" and self.agreed is not None and self._basis is not None:
-            interval, (step, stall, background, interference) = self.agreed, self._basis
-        else:
-            interval, (step, stall, background, interference) = self.interval(), self.basis()
-        overhead = None
-        if interval and step and stall is not None:
-            overhead = (stall + (interference or 0.0)) / (interval * step)
-        return CadenceReport(mode=str(self.every) if not isinstance(self.every, int) else "fixed", interval=interval,
-                             step_s=step, stall_s=stall, background_s=background, interference_s=interference,
-                             overhead=overhead,
-                             max_overhead=self.max_overhead if self.every == "auto" else None,
-                             steps_in_flight=(statistics.median(self._in_flight_steps) if self._in_flight_steps
-                                              else None),
-                             failures_in_a_row=self.failures)
+        if self.every == "auto" and self.agreed is not None and self._agreed_report is not None:
+            return dataclasses.replace(self._agreed_report, interval=self.agreed, failures_in_a_row=self.failures)
+        return self.own_report()
 
 
 class CadencePolicy:
@@ -218,15 +283,14 @@ class CadencePolicy:
     a save starts (`started`), fails (`failed`) or is known committed (`succeeded`), and lets it
     wait for the previous save before the next (`before_save`). It keeps the timing of the save in
     flight, and agrees across ranks through `comm` (the manager's process group): "continuous"
-    with one small all-gather per call, "auto" with one broadcast of the coordinator's interval per
-    save. Its figures: report()."""
+    with one small all-gather per call; "auto" with one broadcast of the coordinator's interval per
+    save, and, while no interval is agreed yet (the profiling window after the first save), one
+    broadcast of the coordinator's decision per call. Its figures: report()."""
 
     def __init__(self, cadence: Cadence, comm):
         self.cadence = cadence
         self.comm = comm
-        self._busy = False                        # a save of ours was in flight at the previous call
-        self._started: tuple[float, float] | None = None   # (start, stall) of the save in flight
-        self._flight_calls = 0                    # save() calls while it was in flight
+        self._started: float | None = None        # monotonic time of the call of the save in flight
 
     @property
     def every(self) -> int | str:
@@ -237,19 +301,20 @@ class CadencePolicy:
         a save of ours is still on its way to being durable (this rank's view)."""
         cadence = self.cadence
         now = time.monotonic() if now is None else now
-        cadence.observe_call(step, now, self._busy)
-        if self._busy and self._started is not None:
-            # the step that just ended ran with the save in flight (counted even when the save became
-            # durable during it: a save durable within one step still slowed that step)
-            self._flight_calls += 1
-        self._busy = in_flight
+        # the steps since the previous call: the open save's (the one that ended holds its moment of
+        # becoming durable, so it is in flight), or quiet
+        cadence.observe_call(step, now)
         if not in_flight and self._started is not None:   # the save in flight became durable since the last call
-            self._observe_durable(now)
+            self._durable(now)
         if cadence.every == "continuous":
             # each rank sees the previous save become durable at its own moment
             if self.comm.world_size > 1:
                 in_flight = any(self.comm.all_gather_object(in_flight, step="cadence"))
             return not in_flight
+        if (cadence.every == "auto" and cadence.agreed is None and cadence.last_saved is not None
+                and self.comm.world_size > 1):
+            # no interval agreed yet: each rank's baseline fills at its own pace, so the coordinator decides
+            return bool(self.comm.broadcast_object(cadence.due(step, in_flight), step="cadence"))
         return cadence.due(step, in_flight)
 
     def before_save(self, wait) -> None:
@@ -259,23 +324,21 @@ class CadencePolicy:
         if self._started is not None:
             if wait() is not None:
                 self.cadence.succeeded()
-            self._observe_durable(time.monotonic())
+            self._durable(time.monotonic())
 
     def started(self, step: int, t0: float, async_save: bool) -> None:
-        """Every rank, after a save started at monotonic time `t0`: its stall, and (auto) the
-        interval until the next one, the coordinator's measurement handed to every rank (one
-        broadcast per save)."""
+        """Every rank, after a save started at monotonic time `t0` (the save() call): its stall, and
+        (auto) the interval until the next one, the coordinator's measurement handed to every rank
+        (one broadcast per save)."""
         cadence, stall = self.cadence, time.monotonic() - t0
-        if not async_save:
-            cadence.succeeded()
-        cadence.saved(step)
+        cadence.started(step, stall)
         if async_save:
-            self._started, self._flight_calls = (t0, stall), 0
-            self._busy = True    # the next step runs with this save in flight (and may wait at its fence)
+            self._started = t0
         else:
-            cadence.observe_save(stall, 0.0, 0)
+            cadence.durable(stall)
+            cadence.succeeded()
         if cadence.every == "auto":
-            mine = (cadence.interval(), cadence.basis())
+            mine = (cadence.interval(), cadence.own_report())
             cadence.adopt(*(self.comm.broadcast_object(mine, step="cadence") if self.comm.world_size > 1
                             else mine))
 
@@ -286,13 +349,12 @@ class CadencePolicy:
         self.cadence.succeeded()
 
     def report(self) -> dict:
-        """The mode, the interval in force, and what it was chosen from (seconds per step, stall,
-        background time, interference per save) with the overhead they give."""
+        """The mode, the interval in force, and what it was chosen from (the baseline seconds per
+        step, stall, time until durable, cost and interference per save) with the overhead they give."""
         return dataclasses.asdict(self.cadence.report())
 
-    def _observe_durable(self, now: float) -> None:
-        start, stall = self._started
-        self.cadence.observe_save(stall, now - start, self._flight_calls)
+    def _durable(self, now: float) -> None:
+        self.cadence.durable(now - self._started)
         self._started = None
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from omnickpt.cadence import Cadence, choose_interval
+from omnickpt.cadence import PROFILE_STEPS, SETTLE, Cadence, choose_interval
 
 
 @pytest.mark.parametrize("step,stall,background,interference,target", [
@@ -34,26 +34,69 @@ def test_the_interval_is_capped_and_needs_a_step_time():
     assert choose_interval(0.0, 1.0, 1.0, max_overhead=0.02, max_interval=500) == 1
 
 
-def test_auto_cadence_measures_steps_stalls_and_interference_from_calls():
+def _feed(c, steps, t, seconds):
+    """save() called at each of `steps`, `seconds` apart; returns the time of the last call."""
+    for s in steps:
+        t += seconds
+        c.observe_call(s, t)
+    return t
+
+
+def test_auto_cadence_measures_the_cost_of_every_step_a_save_affected_against_quiet_steps():
     c = Cadence("auto", max_overhead=0.02)
-    assert c.due(0, in_flight=False)                      # nothing measured: save and learn
-    c.saved(0)
-    t = 0.0
-    # the manager sees save() called every step: 10 quiet steps of 0.5 s, then 4 with a save in flight of 0.6 s
-    for s in range(1, 11):
-        t += 0.5
-        c.observe_call(s, t, in_flight=False)
-    for s in range(11, 15):
-        t += 0.6
-        c.observe_call(s, t, in_flight=True)
-    c.observe_save(stall_s=0.1, background_s=2.0, steps_in_flight=4)
-    assert c.step_s == pytest.approx(0.5)
-    assert c.interference_s() == pytest.approx(0.1 * 4)
-    # (0.1 + 0.4) / (0.02 * 0.5) = 50 steps; the flight needs 5
-    assert c.interval() == 50
-    assert not c.due(49, in_flight=False) and c.due(50, in_flight=False)
+    assert c.due(0, in_flight=False)                      # the first call saves: a resume point
+    c.observe_call(0, 0.0)
+    c.started(0, stall_s=0.1)
+    # its call's step holds the 0.1 s stall; 3 more steps in flight at 0.6 s; durable; 1 settling step
+    # (the save's tail) at 0.7 s: all affected. Then quiet steps of 0.5 s.
+    t = _feed(c, [1], 0.0, 0.6 + 0.1)
+    t = _feed(c, [2, 3, 4], t, 0.6)
+    c.durable(background_s=t)
+    assert c.profiling() and c.interval() is None and not c.due(5, in_flight=False)
+    t = _feed(c, [5], t, 0.7)                              # settling: affected, not quiet
+    assert c.step_s is None and c.profiling()
+    t = _feed(c, range(6, 6 + PROFILE_STEPS), t, 0.5)
+    assert not c.profiling() and c.step_s == pytest.approx(0.5)
+    # cost: 5 affected steps (0.7 + 3 x 0.6 + 0.7 = 3.2 s) less 5 baseline steps (2.5 s) = 0.7 s
     rep = c.report()
-    assert rep.interval == 50 and rep.overhead == pytest.approx(0.5 / (50 * 0.5)) and rep.overhead <= 0.02
+    assert rep.cost_s == pytest.approx(0.7) and rep.stall_s == pytest.approx(0.1)
+    assert rep.interference_s == pytest.approx(0.6) and rep.steps_affected == 5 and rep.steps_in_flight == 4
+    # 0.7 / (0.02 * 0.5) = 70 steps
+    assert c.interval() == 70 and rep.interval == 70
+    assert rep.overhead == pytest.approx(0.7 / (70 * 0.5)) and rep.overhead <= 0.02 + 1e-12
+    assert not c.due(69, in_flight=False) and c.due(70, in_flight=False)
+
+
+def test_the_interval_leaves_quiet_steps_after_each_flight_and_settling_step():
+    """A cheap save that is in flight for 3 steps: the interval is its flight + SETTLE + 1, so the
+    baseline is refreshed by a quiet step after every save, never measured on the save's tail."""
+    c = Cadence("auto", max_overhead=0.5)
+    c.observe_call(0, 0.0)
+    c.started(0, stall_s=0.0)
+    t = _feed(c, [1, 2, 3], 0.0, 0.5)
+    c.durable(background_s=t)
+    t = _feed(c, range(4, 4 + SETTLE + PROFILE_STEPS), t, 0.5)
+    assert c.report().cost_s == pytest.approx(0.0)
+    assert c.interval() == 3 + SETTLE + 1
+
+
+def test_a_noisy_baseline_does_not_inflate_the_cost():
+    """Costs are medians of per-save differences, kept signed: noise in both directions cancels."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    for i in range(9):
+        c.started(step, stall_s=0.0)
+        jitter = 0.05 if i % 2 else -0.05
+        step += 1
+        t = _feed(c, [step], t, 0.5 + 0.2 + jitter)     # the save's step: 0.2 s slower
+        c.durable(background_s=0.5)
+        step += 1
+        t = _feed(c, [step], t, 0.5 - jitter)            # settling, noisy, not slowed
+        for _ in range(3):
+            step += 1
+            t = _feed(c, [step], t, 0.5 + (0.05 if step % 2 else -0.05))
+    assert c.report().cost_s == pytest.approx(0.2, abs=0.06)
 
 
 def test_continuous_saves_whenever_nothing_is_in_flight_and_fixed_every_n():
@@ -61,7 +104,7 @@ def test_continuous_saves_whenever_nothing_is_in_flight_and_fixed_every_n():
     assert c.due(7, in_flight=False) and not c.due(8, in_flight=True)
     f = Cadence(10)
     assert f.due(0, False)
-    f.saved(0)
+    f.started(0, 0.0)
     assert not f.due(5, False) and f.due(10, False)
 
 
@@ -75,19 +118,23 @@ def test_bad_options_are_refused_by_name(kwargs):
 
 
 # ---------------------------------------------------------------------------- the manager's every=
-def _train(mgr, steps, step_s, async_save=True):
+def _train(mgr, steps, step_s, async_save=True, until_saves=0):
+    """`steps` training steps of `step_s` seconds, save() called after each; with until_saves, on
+    (up to 20x `steps`) until that many saves: a save's background threads run at a lower priority
+    and take longer on a loaded machine. The steps saved."""
     import time
 
     import torch
     from torch import nn
     model = nn.Linear(64, 64)
-    saved = []
-    for step in range(steps):
+    saved, step = [], 0
+    while step < steps or (len(saved) < until_saves and step < 20 * steps):
         time.sleep(step_s)                       # the training step
         with torch.no_grad():
             model.weight.add_(1.0)
         if mgr.save(step, {"model": model}, async_save=async_save) is not None:
             saved.append(step)
+        step += 1
     mgr.wait()
     return saved
 
@@ -106,23 +153,26 @@ def test_a_fixed_cadence_saves_every_nth_call_and_force_saves_anyway(tmp_path):
 def test_auto_cadence_keeps_the_measured_overhead_under_the_target(tmp_path):
     import omnickpt
     with omnickpt.CheckpointManager(str(tmp_path), every="auto", max_overhead=0.05) as mgr:
-        saved = _train(mgr, 60, 0.01)
+        saved = _train(mgr, 60, 0.01, until_saves=3)
         rep = mgr.cadence_report()
-    assert saved[0] == 0 and len(saved) < 60
+    assert saved[0] == 0 and len(saved) >= 3
     assert rep["mode"] == "auto" and rep["interval"] > 1 and rep["step_s"] > 0.005
-    # the interval in force is the formula's on what was measured
-    want = choose_interval(rep["step_s"], rep["stall_s"], rep["background_s"], rep["interference_s"],
-                           max_overhead=0.05, max_interval=10_000)
-    assert rep["interval"] == want
+    # the interval in force is the formula's on what was measured: the cost per save against the
+    # baseline, and never less than the flight, a settling step and a quiet one
+    want = choose_interval(rep["step_s"], max(rep["cost_s"], 0.0), 0.0, max_overhead=0.05, max_interval=10_000,
+                           min_interval=math.ceil(rep["steps_in_flight"]) + SETTLE + 1)
+    assert rep["interval"] == want and not rep["profiling"] and rep["quiet_steps"] >= PROFILE_STEPS
     assert rep["overhead"] <= 0.05 + 1e-9
-    # the saves after the first measured ones are spaced: fewer saves than steps
-    assert len(saved) < 40, saved
+    # the second save waits for the profiling window, the later ones are spaced by the flight, a
+    # settling step and a quiet one at least
+    assert saved[1] - saved[0] >= 1 + SETTLE + PROFILE_STEPS, saved
+    assert all(b - a >= 1 + SETTLE + 1 for a, b in zip(saved[1:], saved[2:])), saved
 
 
 def test_continuous_saves_as_soon_as_the_previous_one_is_durable(tmp_path):
     import omnickpt
     with omnickpt.CheckpointManager(str(tmp_path), every="continuous", keep_last=2) as mgr:
-        saved = _train(mgr, 30, 0.005)
+        saved = _train(mgr, 30, 0.005, until_saves=2)
     assert saved[0] == 0 and 1 < len(saved) <= 30
 
 
@@ -130,7 +180,7 @@ def _two_rank_auto(rank, world, root):
     import omnickpt
     with omnickpt.CheckpointManager(root, every="auto", max_overhead=0.05) as mgr:
         # rank 1's steps are slower: its own measurement would pick another interval
-        return _train(mgr, 40, 0.01 if rank == 0 else 0.03), mgr.cadence_report()
+        return _train(mgr, 40, 0.01 if rank == 0 else 0.03, until_saves=3), mgr.cadence_report()
 
 
 def test_ranks_agree_on_the_auto_cadence(tmp_path):
@@ -145,6 +195,36 @@ def test_a_save_durable_within_one_step_still_counts_that_step_as_slowed(tmp_pat
     next call: counting no such step made every measured interference 0 (bench/cadence.py)."""
     import omnickpt
     with omnickpt.CheckpointManager(str(tmp_path), every="auto", max_overhead=0.05) as mgr:
-        _train(mgr, 12, 0.05)        # a Linear(64, 64) save is durable well within a 50 ms step
+        _train(mgr, 12, 0.05, until_saves=2)    # a Linear(64, 64) save is durable well within a 50 ms step
         rep = mgr.cadence_report()
     assert rep["steps_in_flight"] is not None and rep["steps_in_flight"] >= 1
+
+
+def test_auto_profiles_quiet_steps_after_its_first_save_before_choosing_an_interval(tmp_path):
+    """The first call saves (a resume point); the next save waits for the baseline: the first save's
+    step, its settling step, then PROFILE_STEPS quiet steps. The report says so while it lasts."""
+    import omnickpt
+    with omnickpt.CheckpointManager(str(tmp_path), every="auto", max_overhead=0.5) as mgr:
+        assert mgr.save(0, {"x": __import__("torch").zeros(4)}) is not None
+        rep = mgr.cadence_report()
+        assert rep["profiling"] and rep["interval"] is None and rep["quiet_steps"] == 0
+        saved = [0] + _train_from(mgr, 1, 200, 0.01)
+        rep = mgr.cadence_report()
+    assert len(saved) >= 2 and saved[1] >= 1 + SETTLE + PROFILE_STEPS, saved
+    assert not rep["profiling"] and rep["quiet_steps"] >= PROFILE_STEPS and rep["interval"] >= 1 + SETTLE + 1, rep
+
+
+def _train_from(mgr, first, steps, step_s):
+    """_train's loop over steps first, first + 1, ... until two saves: the steps saved."""
+    import time
+
+    import torch
+    out = []
+    for step in range(first, first + steps):
+        time.sleep(step_s)
+        if mgr.save(step, {"x": torch.full((4,), float(step))}) is not None:
+            out.append(step)
+            if len(out) == 2:
+                break
+    mgr.wait()
+    return out
