@@ -1,68 +1,192 @@
-"""The save interval every="auto" chooses on the benchmark workloads (CheckFreq's rule, omnickpt/cadence.py).
+"""every="auto" checked by a stopwatch outside the manager: the overhead the cadence reports beside the
+overhead the loop really pays, on a noisy machine.
 
-    .venv/bin/python bench/cadence.py                          # mlp and gpt, ddp and fsdp2, 40 steps
-    .venv/bin/python bench/cadence.py --workloads mlp --frameworks ddp --steps 60 --max-overhead 0.05
+    .venv/bin/python bench/cadence.py                      # mlp/ddp, gpt/fsdp2, wide/ddp; 3 runs each
+    .venv/bin/python bench/cadence.py --workloads mlp/ddp --runs 1 --pairs 2   # one quick look
 
-2 real gloo ranks train the workload and call `CheckpointManager.save(step, state, async_save=True)`
-at every step with every="auto"; the manager measures the step time, the stall, the time until a
-save is durable and the slowdown of steps with a save in flight, and picks the interval. Reports,
-per workload, rank 0's cadence_report() at the end and the steps that were saved. Results to
-bench/out/cadence.json.
+2 real gloo ranks (one compute thread each) train the workload. Each run, in one launch:
+
+1. warm-up: save() at every step with every="auto" (max_overhead 0.05) until the cadence has
+   profiled its baseline and the ranks agreed on an interval;
+2. `--pairs` pairs of rounds, alternating: a round of n steps with no save() call (the baseline,
+   measured now, beside the round it is compared with: the machine's speed drifts between rounds
+   more than the target), then a round of n steps calling save(step, state, async_save=True) at every
+   step; n is a whole number of intervals (the interval in force at the round's start, at least
+   `--min-steps`), so a with-round holds the saves the cadence would make in n steps, and the round
+   runs on until its last save is durable and one more step ran (its whole cost inside the round);
+   the outside overhead of a pair = (the with-round's seconds - its steps x the baseline's seconds
+   per step) / (n x the baseline's seconds per step);
+3. a positive control, the same alternation with a manager saving every `--control-every` steps:
+   the stopwatch must see its cost (tens of percent), or it could not see anything.
+
+Per run: the median over pairs of the outside overhead, and the median of the report's
+`overhead` taken at the start of each with-round (the figure the manager claims for the interval
+it used). Per workload: medians over `--runs` runs. mlp's save is in flight longer than a step.
+Results: bench/out/cadence.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+# (workload of bench/workloads.py, framework); "wide" is mlp at half the depth: a shorter save
+WORKLOADS = {"mlp/ddp": ("mlp", "ddp", {}), "gpt/fsdp2": ("gpt", "fsdp2", {}),
+             "wide/ddp": ("mlp", "ddp", {"layers": 4})}
 
-def _worker(rank: int, world: int, root: str, workload: str, framework: str, steps: int, max_overhead: float):
+
+def _build(name: str):
+    import workloads as W
+    workload, framework, override = WORKLOADS[name]
+    if override:   # a variant of a bench workload: its class with other sizes
+        cls, full, small = W.WORKLOADS[workload]
+        W.WORKLOADS = {**W.WORKLOADS, workload: (cls, {**full, **override}, small)}
+    return W.build(workload, framework, quick=False)
+
+
+def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pairs: int, min_steps: int,
+            control_every: int, warmup_max: int):
+    import torch.distributed as dist
+
     import omnickpt
-    from workloads import build, train_step
-    model, opt, module, gen = build(workload, framework, quick=False)
-    saved = []
-    with omnickpt.CheckpointManager(root, keep_last=2, every="auto", max_overhead=max_overhead) as mgr:
-        for step in range(steps):
+    from workloads import train_step
+    model, opt, module, gen = _build(name)
+    state = {"model": model, "optimizer": opt}
+    step = 0
+
+    def run_round(n: int, mgr=None) -> tuple[float, int, int]:
+        """n steps; with mgr, save() called at each, and then on until the round's last save is durable
+        and one more step ran, so that the round holds the whole cost of its saves (save() is still
+        called then by "auto", whose measurements need every step; a fixed cadence would start new
+        saves and is not called). Returns (seconds, steps, saves)."""
+        nonlocal step
+        dist.barrier()
+        t0, done, saves, handle, durable_at = time.perf_counter(), 0, 0, None, None
+        calls_after = mgr is not None and mgr.cadence_report()["mode"] == "auto"
+        while True:
+            if mgr is not None and handle is not None and durable_at is None and handle.done():
+                durable_at = done
+            # every rank stops at the same step (rank 0's view of its last save): DDP's and FSDP's steps
+            # are collectives, a rank that stopped early would hang the others
+            if done >= n and (mgr is None or dist_all(handle is None or (durable_at is not None
+                                                                       and done > durable_at))[0]):
+                break
             train_step(model, module, opt, gen)
-            if mgr.save(step, {"model": model, "optimizer": opt}, async_save=True) is not None:
-                saved.append(step)
+            step, done = step + 1, done + 1
+            if mgr is not None and (done <= n or calls_after):
+                h = mgr.save(step, state, async_save=True)
+                if h is not None:
+                    handle, durable_at, saves = h, None, saves + 1
+        seconds = time.perf_counter() - t0
+        # the ranks run in lockstep (DDP's all-reduce, FSDP's gathers): the slowest rank's time
+        return max(dist_all(seconds)), done, saves
+
+    def dist_all(x):
+        out = [None] * world
+        dist.all_gather_object(out, x)
+        return out
+
+    def alternate(mgr, n_of) -> list[dict]:
+        out = []
+        for _ in range(pairs):
+            n = dist_all(n_of())[0]     # rank 0's: every rank runs the same steps
+            rep = mgr.cadence_report()
+            quiet_s, quiet_n, _ = run_round(n)
+            busy_s, busy_n, saves = run_round(n, mgr)
+            end = mgr.cadence_report()
+            base = quiet_s / quiet_n
+            # the with-round's time beyond as many baseline steps, against the n steps its saves cover
+            out.append({"n": n, "without_s_per_step": base, "with_s": busy_s, "with_steps": busy_n, "saves": saves,
+                        "outside": (busy_s - busy_n * base) / (n * base), "reported": rep["overhead"],
+                        "interval": rep["interval"], "interval_after": end["interval"],
+                        # what the report says this round's saves cost: its cost per save x the saves
+                        "reported_round": (end["cost_s"] * saves / (n * end["step_s"])
+                                           if end["cost_s"] is not None and end["step_s"] else None),
+                        "report_step_s": end["step_s"], "report_cost_s": end["cost_s"]})
+        return out
+
+    result = {}
+    with omnickpt.CheckpointManager(os.path.join(root, "auto"), keep_last=2, every="auto",
+                                    max_overhead=max_overhead) as mgr:
+        warm = 0
+        # every rank decides alike (rank 0's view): a rank that left the loop early would hang the others
+        saves = 0
+        while warm < warmup_max and dist_all(mgr.cadence_report()["interval"] is None or saves < 2)[0]:
+            train_step(model, module, opt, gen)
+            step, warm = step + 1, warm + 1
+            saves += mgr.save(step, state, async_save=True) is not None
+        result["warmup_steps"] = warm
+
+        def n_auto() -> int:
+            k = mgr.cadence_report()["interval"] or 1
+            return k * max(1, math.ceil(min_steps / k))
+        result["auto"] = alternate(mgr, n_auto)
         mgr.wait()
-        return saved, mgr.cadence_report()
+        result["report"] = mgr.cadence_report()
+    with omnickpt.CheckpointManager(os.path.join(root, "control"), keep_last=2, every=control_every) as mgr:
+        result["control"] = alternate(mgr, lambda: max(min_steps // 2, 2 * control_every))
+        mgr.wait()
+        result["control_report"] = mgr.cadence_report()
+    return result
 
 
 def main(argv=None) -> int:
     from ranks import run_ranks
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="mlp,gpt")
-    ap.add_argument("--frameworks", default="ddp,fsdp2")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--max-overhead", type=float, default=0.02)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--min-steps", type=int, default=24)
+    ap.add_argument("--control-every", type=int, default=2)
+    ap.add_argument("--max-overhead", type=float, default=0.05)
+    ap.add_argument("--warmup-max", type=int, default=60)
     args = ap.parse_args(argv)
-    doc = {"steps": args.steps, "max_overhead": args.max_overhead, "results": {}}
-    print(f"every='auto', max_overhead={args.max_overhead}, {args.steps} steps, 2 ranks (rank 0's report)")
-    print(f"{'workload':<12} {'interval':>8} {'step s':>7} {'stall s':>8} {'durable s':>9} {'interf. s':>9} "
-          f"{'overhead':>8}  saved steps")
-    for workload in args.workloads.split(","):
-        for framework in args.frameworks.split(","):
+    doc = {"max_overhead": args.max_overhead, "runs": args.runs, "pairs": args.pairs,
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg(), "results": {}}
+    med = statistics.median
+    pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"   # noqa: E731
+    print(f"every='auto', max_overhead={args.max_overhead}: outside = stopwatch, seconds per step with saves "
+          f"against without (alternating rounds); reported = cadence_report()['overhead']")
+    print(f"{'workload':<10} {'run':>3} {'interval':>8} {'step s':>7} {'stall s':>7} {'durable s':>9} "
+          f"{'cost s':>7} {'reported':>8} {'outside':>8}  {'control (every ' + str(args.control_every) + ')':>20}")
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    for name in args.workloads.split(","):
+        runs = []
+        for r in range(args.runs):
             root = tempfile.mkdtemp(prefix="omnickpt-cadence-", dir=os.path.join(HERE, "out"))
             try:
-                saved, rep = run_ranks(2, _worker, root, workload, framework, args.steps, args.max_overhead,
-                                       timeout=3600)[0]
+                res = run_ranks(2, _worker, root, name, args.max_overhead, args.pairs, args.min_steps,
+                                args.control_every, args.warmup_max, timeout=3600)[0]
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            doc["results"][f"{workload}/{framework}"] = {"saved": saved, "report": rep}
+            res["outside"] = med(p["outside"] for p in res["auto"])
+            reported = [p["reported"] for p in res["auto"] if p["reported"] is not None]
+            res["reported"] = med(reported) if reported else None
+            res["control_outside"] = med(p["outside"] for p in res["control"])
+            runs.append(res)
+            rep = res["report"]
             f = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"   # noqa: E731
-            print(f"{workload + '/' + framework:<12} {rep['interval']:>8} {f(rep['step_s']):>7} {f(rep['stall_s']):>8} "
-                  f"{f(rep['background_s']):>9} {f(rep['interference_s']):>9} {f(rep['overhead']):>8}  {saved}")
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "cadence.json"), "w") as fh:
-        json.dump(doc, fh, indent=1)
+            print(f"{name:<10} {r:>3} {rep['interval']!s:>8} {f(rep['step_s']):>7} {f(rep['stall_s']):>7} "
+                  f"{f(rep['background_s']):>9} {f(rep['cost_s']):>7} {pct(res['reported']):>8} "
+                  f"{pct(res['outside']):>8}  {pct(res['control_outside']):>20}", flush=True)
+        summary = {"outside": med(r["outside"] for r in runs),
+                   "reported": med(r["reported"] for r in runs if r["reported"] is not None)
+                   if any(r["reported"] is not None for r in runs) else None,
+                   "control_outside": med(r["control_outside"] for r in runs)}
+        print(f"{name:<10} median of {len(runs)}: reported {pct(summary['reported'])}, outside "
+              f"{pct(summary['outside'])}, control {pct(summary['control_outside'])}", flush=True)
+        doc["results"][name] = {"runs": runs, "median": summary}
+        with open(os.path.join(HERE, "out", "cadence.json"), "w") as fh:
+            json.dump(doc, fh, indent=1)
     return 0
 
 
