@@ -14,7 +14,9 @@ would: every step that a save affected against the baseline step time.
   flight and settling step, and the window keeps the newest `_WINDOW` of them.
 - The **affected steps** of a save are the steps from its call until it is durable (the first one
   holds its stall) plus the settling step(s). Its **cost** is their time minus as many baseline
-  steps. The interference is that cost less the stall.
+  steps, the baseline of the quiet steps just before it (the machine's speed drifts from minute to
+  minute). The interference is that cost less the stall; the interval never uses a cost below the
+  stall, which is measured directly.
 
     overhead(k) = cost / (k * baseline)          for a save every k steps
 
@@ -49,6 +51,7 @@ _WINDOW = 16   # recent measurements kept for each median
 MAX_BACKOFF = 8   # after failed saves in a row, attempts at most this many intervals apart
 SETTLE = 1        # steps after a save became durable that still count as affected by it
 PROFILE_STEPS = 4  # quiet steps measured before "auto" chooses its first interval
+_LOCAL = 8         # the quiet steps just before a save that are its baseline
 
 
 def backoff(failures: int) -> int:
@@ -106,6 +109,7 @@ class CadenceReport:
 class _Flight:
     """One save's affected steps, accumulated call by call."""
     stall: float
+    base: float | None = None  # the baseline when it started (the quiet steps just before it)
     seconds: float = 0.0      # time of the affected steps (between save() calls)
     steps: int = 0
     flight_steps: int = 0     # of which until durable
@@ -169,7 +173,8 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
-        self._open = _Flight(stall=max(stall_s, 0.0))
+        recent = list(self._quiet)[-_LOCAL:]
+        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.median(recent) if recent else None)
         self._last_saved = step
 
     def durable(self, background_s: float) -> None:
@@ -212,7 +217,10 @@ class Cadence:
         if base is None or not done:
             return None
         med = statistics.median
-        cost = med(f.seconds - base * f.steps for f in done)
+        # each save against the quiet steps just before it (the machine's speed drifts: a baseline
+        # from other minutes made single costs swing by a step's time); the first, which had none
+        # before it, against the baseline now
+        cost = med(f.seconds - (f.base if f.base is not None else base) * f.steps for f in done)
         stall = med(f.stall for f in done)
         return {"step": base, "stall": stall, "background": med(f.background for f in done),
                 "cost": cost, "interference": cost - stall, "flight": med(f.flight_steps for f in done),
@@ -231,7 +239,8 @@ class Cadence:
         if self.every == "continuous" or self.profiling():
             return None
         m = self._medians()
-        return choose_interval(m["step"], max(m["cost"], 0.0), 0.0, max_overhead=self.max_overhead,
+        # the stall is measured directly: noise can make the median cost smaller, not the save cheaper
+        return choose_interval(m["step"], max(m["cost"], m["stall"]), 0.0, max_overhead=self.max_overhead,
                                max_interval=self.max_interval,
                                min_interval=min(self.max_interval, math.ceil(m["flight"]) + SETTLE + 1))
 
@@ -260,7 +269,7 @@ class Cadence:
         interval, m = self.interval(), self._medians()
         overhead = None
         if interval and m:
-            overhead = max(m["cost"], 0.0) / (interval * m["step"])
+            overhead = max(m["cost"], m["stall"]) / (interval * m["step"])
         g = (lambda k: m[k]) if m else (lambda k: None)   # noqa: E731
         stall = g("stall") if m else (statistics.median(f.stall for f in self._saves) if self._saves else None)
         return CadenceReport(mode=str(self.every) if not isinstance(self.every, int) else "fixed", interval=interval,

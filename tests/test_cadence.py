@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from omnickpt.cadence import PROFILE_STEPS, SETTLE, Cadence, choose_interval
+from omnickpt.cadence import _LOCAL, PROFILE_STEPS, SETTLE, Cadence, choose_interval
 
 
 @pytest.mark.parametrize("step,stall,background,interference,target", [
@@ -97,6 +97,40 @@ def test_a_noisy_baseline_does_not_inflate_the_cost():
             step += 1
             t = _feed(c, [step], t, 0.5 + (0.05 if step % 2 else -0.05))
     assert c.report().cost_s == pytest.approx(0.2, abs=0.06)
+
+
+def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
+    """The machine slows from 0.5 to 1.0 s a step between two saves, each of which adds 0.1 s to the
+    steps it affects (its call's and the settling one): both cost 0.2 s (a baseline of all quiet
+    steps would make the first cost less than nothing and the second about a step more). A cost
+    under the stall is never used."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    for speed in (0.5, 1.0):
+        for _ in range(_LOCAL):
+            step += 1
+            t = _feed(c, [step], t, speed)
+        c.started(step, stall_s=0.0)
+        step += 1
+        t = _feed(c, [step], t, speed + 0.1)
+        c.durable(background_s=speed)
+        for _ in range(SETTLE):
+            step += 1
+            t = _feed(c, [step], t, speed + 0.1)
+    step += 1
+    t = _feed(c, [step], t, 1.0)
+    want = round(0.1 * (1 + SETTLE), 6)
+    assert [round(f.seconds - f.base * f.steps, 6) for f in c._saves] == [want, want]
+    assert c.report().cost_s == pytest.approx(want)
+    c2 = Cadence("auto", max_overhead=0.05)
+    c2.observe_call(0, 0.0)
+    t = _feed(c2, range(1, 1 + _LOCAL), 0.0, 1.0)
+    c2.started(_LOCAL, stall_s=0.2)
+    t = _feed(c2, [_LOCAL + 1], t, 0.8)     # noise: faster than the baseline
+    c2.durable(background_s=0.8)
+    t = _feed(c2, [_LOCAL + 2], t, 0.8)
+    assert c2.report().cost_s < 0 and c2.interval() == math.ceil(0.2 / (0.05 * 1.0))
 
 
 def test_continuous_saves_whenever_nothing_is_in_flight_and_fixed_every_n():
