@@ -182,6 +182,9 @@ class Checkpointer:
             pool.submit(int)
         self._fences: list[SnapshotFence] = []   # lazy snapshots whose hooks the training thread has to remove
         self._plans: dict[int, dict[tuple, tuple]] = {}
+        # Per process group, what the last save collected, for the next save of an unchanged layout
+        # (saving._Reuse); it holds references to the state's tensors, dropped by close().
+        self._reuse: dict[int, Any] = {}
         self._comms: dict[int, Comm] = {}
         self._inflight: dict[str, SaveHandle] = {}
         # The last checkpoint committed per process group: the default base of an incremental save.
@@ -217,6 +220,7 @@ class Checkpointer:
             self._copier.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._pool.close()
+        self._reuse.clear()
 
     def _snapshot_thread(self) -> ThreadPoolExecutor:
         """Where lazy copies run as soon as save() returns, not behind an earlier save's persist on

@@ -16,12 +16,12 @@ import torch
 
 from omnickpt import commit
 from omnickpt.version import __version__
-from omnickpt.adapters import ADAPTERS, as_registry, collect_save
+from omnickpt.adapters import ADAPTERS, SaveMemo, as_registry, collect_save, collect_save_reusing
 from omnickpt.chain import choose_base, incremental_job
 from omnickpt.comm import Comm
 from omnickpt.engine import RankResult, build_manifest, collect_garbage, persist, snapshot
 from omnickpt.engine.incremental import BLOCK_BYTES
-from omnickpt.engine.save import Encoding, data_file_name, stage_layout
+from omnickpt.engine.save import Encoding, data_file_name, stage_layout, staging_size
 from omnickpt.engine.staging import gc_paused
 from omnickpt.fence import SnapshotFence, optimizers_in, step_stable_storages
 from omnickpt.errors import CheckpointError, PlanError, UnsupportedError, rebuild_error
@@ -124,7 +124,7 @@ class _SaveJob:
         self.comm = ckpt.comm(options.process_group)
         self.storage = storage_for(path)
         self.timer = PhaseTimer()
-        _reset_peak_rss(self.timer)
+        _sample_rss(self.timer)
         self.collected = _Collected()
         self.chain: tuple | None = None          # incremental (coordinator): the base, as chain.choose_base found it
         self.held: References | None = None      # incremental (coordinator): reference records on its base folders
@@ -135,6 +135,8 @@ class _SaveJob:
         self.fence: SnapshotFence | None = None
         self.encoding = Encoding()               # how persist encodes this rank's writes
         self.incremental: Callable[[], tuple] | None = None
+        # What the last save of this Checkpointer on this group left for this one to reuse.
+        self.reuse: _Reuse = ckpt._reuse.setdefault(id(self.comm), _Reuse())
 
     @property
     def where(self) -> str:
@@ -145,7 +147,7 @@ class _SaveJob:
         """Every rank, no collective: adapters, records, objects encoded; the coordinator of an
         incremental save finds its base. Returns the error, settled by agree()."""
         try:
-            self.collected = _collect(self.state, self.comm, self.timer, self.options)
+            self.collected = _collect(self.state, self.comm, self.timer, self.options, self.reuse)
             o = self.options
             if o.incremental and self.comm.is_coordinator:
                 with self.timer.phase("plan"):
@@ -190,9 +192,10 @@ class _SaveJob:
         """Every rank, no collective: the part of the save training waits for (the stall ends
         here). A lazy snapshot leaves the copy of parameters and optimizer state to a background
         thread, behind a SnapshotFence. Returns whether save() must wait for the fence."""
-        stable = step_stable_storages(self.state) if self.options.lazy else frozenset()
+        lazy = self.options.lazy
         snap, blocking = _snapshot(self.ckpt._pool, self.collected, self.writes, self.tensor_region, self.timer,
-                                   self.options.async_save, stable)
+                                   self.options.async_save,
+                                   (lambda: step_stable_storages(self.state)) if lazy else None, self.reuse)
         if snap.deferred is not None or snap.references:
             # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
             # written from their own memory stay fenced until written (save() itself waits when
@@ -248,6 +251,7 @@ class _SaveJob:
             if locked is not None:
                 raise locked
             snap.finish(timer)   # a lazy snapshot's copies (made on the copier thread: waited for here)
+            _sample_rss(timer)   # the staging filled
             rank_inc = None
             if self.incremental is not None:
                 rank_inc, header = self.incremental()
@@ -260,7 +264,7 @@ class _SaveJob:
         finally:
             if snap.staging is not None:
                 self.ckpt._pool.release(snap.staging, keep=not self.ckpt.release_staging)
-            _count_peak_rss(timer)
+            _sample_rss(timer)
             if snap.blocking:   # save() returns when the fence opens, just below
                 timer.add("stall", time.perf_counter() - self.t_start)
             timings = timer.as_dict()
@@ -447,19 +451,19 @@ def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, pa
 
 @gc_paused()
 def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: PhaseTimer, async_save: bool,
-              stable: set[int] | frozenset = frozenset()):
+              stable: Callable[[], set[int]] | None = None, reuse: _Reuse | None = None):
     """Every rank, no collective: the part of the save training waits for. Async: copy into a
-    staging buffer of `pool` (pinned when the source is on a GPU), the writes of `stable` storages
-    later (lazy: Snapshot.deferred), at most the staging budget (the rest is written from the
-    tensors' own memory); sync: reference the tensors, small ones packed into a pool buffer (given
-    back after persisting). Returns (snapshot, whether save() must wait for the fence: a tensor
-    training may change at any time is written from its own memory)."""
+    staging buffer of `pool` (pinned when the source is on a GPU), the writes of the `stable()`
+    storages later (lazy snapshots: Snapshot.deferred), at most the staging budget (the rest is
+    written from the tensors' own memory); sync: reference the tensors, small ones packed into a
+    pool buffer (given back after persisting). Returns (snapshot, whether save() must wait for the
+    fence: a tensor training may change at any time is written from its own memory). The staging
+    layout of the last async save is reused (`reuse`) when its shards, writes and sizes are the same."""
     staging, layout = None, None
     on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
     if async_save:
         with timer.phase("snapshot"):
-            layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs, stable=stable,
-                                  room=pool.largest)
+            layout = _stage_layout(collected, writes, tensor_region, stable, pool.largest, reuse)
         staging = pool.acquire(layout.size, pin=on_gpu)
     room = pool.largest
 
@@ -475,6 +479,37 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         if staging is not None:
             pool.release(staging)
         raise
+
+
+def _stage_layout(collected: _Collected, writes, tensor_region: int, stable: Callable[[], set[int]] | None,
+                  room: int | None, reuse: _Reuse | None):
+    """engine.save.stage_layout, or the last async save's when nothing it depends on changed: the
+    same shard list (reused whole by the collect: same tensors, shapes, dtypes, addresses), the same
+    writes (the cached plan's own list), the same file size and staging room, and the same kind of
+    snapshot (lazy or not). The step-stable storages are worked out only when a layout is planned
+    anew: a reused collect holds the same parameters and optimizer state, so the same storages."""
+    key = (collected.shards, writes, staging_size(tensor_region, collected.blobs), room, stable is None)
+    prev = reuse.stage if reuse is not None else None
+    if prev is not None and all(a is b if i < 2 else a == b for i, (a, b) in enumerate(zip(prev[0], key))):
+        return prev[1]
+    layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs,
+                          stable=stable() if stable is not None else frozenset(), room=room)
+    if reuse is not None:
+        reuse.stage = (key, layout)
+    return layout
+
+
+@dataclasses.dataclass
+class _Reuse:
+    """What a Checkpointer keeps of its last save on a process group for the next one, used only
+    while the state's layout is unchanged: each module's and optimizer's SaveItems (the adapters'
+    SaveMemo checks their fingerprints), what the collect derived from the shards (records, digest,
+    the batch sent to plan), and the async snapshot's staging layout. With the plan cache, an
+    unchanged 18k-tensor state's save then does no per-tensor work but the fingerprint and the
+    copies."""
+    entries: SaveMemo = dataclasses.field(default_factory=SaveMemo)
+    collected: tuple | None = None   # ([(state key, shard list)], _Collected those lists made)
+    stage: tuple | None = None       # (what stage_layout depended on, the StageLayout)
 
 
 @dataclasses.dataclass
@@ -506,19 +541,30 @@ def _quantized_writes(state: dict, shards: list, scheme: str | None) -> list[str
 
 
 @gc_paused()   # adapters make records by the thousand: see engine.staging.gc_paused
-def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions) -> _Collected:
-    """Every rank, no collective: adapters turn the state into shards and objects (no copies)."""
+def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions, reuse: _Reuse | None = None
+             ) -> _Collected:
+    """Every rank, no collective: adapters turn the state into shards and objects (no copies).
+    With `reuse`, entries whose layout did not change since the last save are not collected again,
+    and when that holds for every entry holding tensors, neither are the records, digest and batch
+    made from their shards."""
     role, metadata, check_replicas = options.role, options.metadata, options.check_replicas
     out = _Collected()
     with timer.phase("plan"):
-        collected = collect_save(state, options.adapters or ADAPTERS)
-        # Empty local boxes (uneven shards) plan nothing; a tensor with no elements at all keeps
-        # its one empty box, so that the manifest records it and a strict load finds it.
-        out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]
-        kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
-        out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
-        out.digest = structure_digest(out.records)
-        out.batch = RecordBatch.from_records(out.records)
+        adapters = options.adapters or ADAPTERS
+        if reuse is None:
+            collected, reused = collect_save(state, adapters), False
+        else:
+            collected, reused = collect_save_reusing(state, reuse.entries, adapters)
+        lists = [(k, items.shards) for k, items in collected if items.shards]
+        prev = reuse.collected if reuse is not None else None
+        if reused and prev is not None and len(prev[0]) == len(lists) and all(
+                a[0] == b[0] and a[1] is b[1] for a, b in zip(prev[0], lists)):
+            base = prev[1]
+        else:
+            base = _from_shards(collected)
+            if reuse is not None:
+                reuse.collected = (lists, base)
+        out.shards, out.records, out.digest, out.batch = base.shards, base.records, base.digest, base.batch
         out.layout = {"world_size": comm.world_size,
                       "frameworks": {k: it.framework for k, it in collected if it.framework}}
         meshes = {k: it.layout for k, it in collected if it.layout}
@@ -532,6 +578,20 @@ def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions) -
     with timer.phase("serialize"):
         out.blobs = {k: encode_object(v, allow_pickle=options.allow_pickle, where=k)
                      for _, items in collected for k, v in items.objects.items()}
+    return out
+
+
+def _from_shards(collected: list) -> _Collected:
+    """The shards of what the adapters collected, their records, digest and batch (the rest of
+    _Collected is the save's own)."""
+    out = _Collected()
+    # Empty local boxes (uneven shards) plan nothing; a tensor with no elements at all keeps
+    # its one empty box, so that the manifest records it and a strict load finds it.
+    out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]
+    kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
+    out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
+    out.digest = structure_digest(out.records)
+    out.batch = RecordBatch.from_records(out.records)
     return out
 
 
@@ -587,27 +647,18 @@ def _check_replicas(per_rank: Sequence[Sequence[tuple[str, tuple, tuple, int]]],
                         "written:\n  " + "\n  ".join(lines) + (f"\n  and {len(differ) - 10} more" if len(differ) > 10 else ""))
 
 
-def _reset_peak_rss(timer: PhaseTimer) -> None:
-    """Start this save's peak-RSS window (Linux: "5" to /proc/self/clear_refs resets VmHWM to the
-    current RSS). Where that is not permitted, the report leaves the peak out (VmHWM would be the
-    whole process's peak, not the save's)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return
-    timer.bytes["peak_rss"] = 0
-
-
-def _count_peak_rss(timer: PhaseTimer) -> None:
-    """This process's peak RSS since _reset_peak_rss (VmHWM), as bytes "peak_rss" in `timer`."""
-    if "peak_rss" not in timer.bytes:
-        return
+def _sample_rss(timer: PhaseTimer) -> None:
+    """The save's peak RSS so far: this process's RSS now (Linux VmRSS), kept in bytes "peak_rss"
+    of `timer` when higher. Sampled where a save's memory is highest (its start, the staging
+    filled, the file written) rather than read from the process's peak counter: resetting that
+    (/proc/self/clear_refs) to give each save a window of its own rewrote the user's VmHWM, and made
+    any peak measured around several saves cover only the time since the last one began."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    timer.bytes["peak_rss"] = int(line.split()[1]) * 1024
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                    timer.bytes["peak_rss"] = max(timer.bytes.get("peak_rss", 0), rss)
                     return
     except (OSError, ValueError, IndexError):
         pass

@@ -18,6 +18,7 @@ from omnickpt.adapters.generic import MIN_TENSOR_BYTES, GenericAdapter
 from omnickpt.adapters.megatron import MegatronModelAdapter, MegatronOptimizerAdapter
 from omnickpt.adapters.module import ModuleAdapter, detect_framework
 from omnickpt.adapters.optimizer import OptimizerAdapter
+from omnickpt.adapters.reuse import SaveMemo, collect_reusing
 from omnickpt.adapters.rng import RNGState
 from omnickpt.errors import UnsupportedError
 from omnickpt.format.objects import tensor_problem, utf8_problem
@@ -127,6 +128,17 @@ def collect_save(state: dict, adapters: Sequence[Adapter] = ADAPTERS) -> list[tu
     return out
 
 
+def collect_save_reusing(state: dict, memo: SaveMemo, adapters: Sequence[Adapter] = ADAPTERS
+                         ) -> tuple[list[tuple[str, SaveItems]], bool]:
+    """collect_save, reusing what `memo` kept of the last save of this state for each module and
+    optimizer entry whose layout did not change (adapters/reuse.py). Returns (what collect_save
+    returns; whether every entry holding tensors was reused: the shards are then the very lists of
+    the last save, and whatever was derived from them holds)."""
+    _check_keys(state)
+    claimed = [(key, value, adapter_for(key, value, state, adapters)) for key, value in state.items()]
+    return collect_reusing(state, claimed, memo, _check_saveable)
+
+
 def collect_load(state: dict, adapters: Sequence[Adapter] = ADAPTERS) -> list[tuple[str, LoadTarget]]:
     """Where every entry of `state` loads to, in state order, each from the first adapter of
     `adapters` that claims it. Raises UnsupportedError for a target that cannot be loaded into (a
@@ -164,5 +176,5 @@ def check_framework(state: dict, framework: str | None, adapters: Sequence[Adapt
 __all__ = ["ADAPTERS", "FRAMEWORKS", "MIN_TENSOR_BYTES", "Adapter", "DataLoaderAdapter", "DeepSpeedEngineAdapter",
            "DeepSpeedOptimizerAdapter", "Fsdp1Adapter",
            "GenericAdapter", "LoadTarget", "MegatronModelAdapter", "MegatronOptimizerAdapter", "ModuleAdapter",
-           "OptimizerAdapter", "RNGState", "SaveItems", "TensorShard", "adapter_for", "as_registry",
-           "check_framework", "collect_load", "collect_save", "detect_framework", "frameworks"]
+           "OptimizerAdapter", "RNGState", "SaveItems", "SaveMemo", "TensorShard", "adapter_for", "as_registry",
+           "check_framework", "collect_load", "collect_save", "collect_save_reusing", "detect_framework", "frameworks"]

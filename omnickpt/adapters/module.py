@@ -17,6 +17,7 @@ from torch import nn
 
 from omnickpt.adapters.base import SEP, Adapter, LoadTarget, SaveItems, TensorShard, is_dtensor, tensor_shards
 from omnickpt.errors import UnsupportedError
+from omnickpt.spec import ShardSpec
 
 # Name segments that wrappers insert and the plain module has not: activation checkpointing's
 # checkpoint_wrapper, torch.compile's OptimizedModule (at any depth: a compiled block inside a model,
@@ -172,7 +173,10 @@ def load_module(key: str, module: nn.Module) -> LoadTarget:
     for name, value in sd.items():
         if isinstance(value, torch.Tensor):
             tied.setdefault(id(value), []).append(f"{key}{SEP}{names.get(name, name)}")
-            dest = value.detach()
+            # A parameter's or buffer's own DTensor is filled through its local shard (dtensor_shards
+            # detaches that if needed): detaching the DTensor first is a dispatch per tensor.
+            dest = value if id(value) in owned and is_dtensor(value) and not isinstance(value, ShardSpec) \
+                else value.detach()
             target.shards.extend(tensor_shards(f"{key}{SEP}{names.get(name, name)}", dest))
             if id(value) not in owned:
                 copies[name] = dest   # produced by a state-dict hook: install with load_state_dict

@@ -327,7 +327,9 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 dtype = dtype_from_name(entry.dtype)
                 cur = optimizer.state.get(p, {}).get(k)
                 if isinstance(cur, torch.Tensor) and tuple(cur.shape) == entry.shape and cur.dtype == dtype:
-                    dest = cur.detach()
+                    # filled in place; detached only if it requires grad (optimizer state does not):
+                    # a detach is a dispatch per DTensor, 0.3 s for 12k moments on the load path
+                    dest = _nograd(cur)
                 elif tuple(p.shape) == entry.shape:
                     # zeros_like makes no graph (no detach first: a dispatch per DTensor)
                     dest = torch.zeros_like(p, dtype=dtype, requires_grad=False)

@@ -6,6 +6,7 @@ This module holds the snapshot side; the names of the others are re-exported her
 save job (omnickpt/saving.py) and the memory tier import them."""
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -102,6 +103,13 @@ class StageLayout:
     def references(self) -> bool:
         return any(a is None for a in self.at)
 
+    @functools.cached_property
+    def now(self) -> list[int]:
+        """The writes copied before save() returns: staged, and not left for later. Worked out once
+        per layout (a save whose layout is reused does not walk its writes again)."""
+        later = set(self.later)
+        return [i for i, a in enumerate(self.at) if a is not None and i not in later]
+
 
 def stage_layout(shards: list[TensorShard], writes: list[WriteItem], tensor_region: int, blobs: dict[str, bytes],
                  *, stable: set[int] | frozenset = frozenset(), room: int | None = None) -> StageLayout:
@@ -182,9 +190,7 @@ def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tupl
            staging: torch.Tensor, cuda: bool, layout: StageLayout) -> Snapshot:
     """The async snapshot: copy now what `layout` does not leave for later, then describe the file
     from staging (laid out like the file, or compact with the rest from the tensors' own memory)."""
-    later = set(layout.later)
-    now = [i for i in range(len(writes)) if layout.at[i] is not None and i not in later]
-    _copy_on_stream(staging, shards, writes, layout.at, now, cuda)
+    _copy_on_stream(staging, shards, writes, layout.at, layout.now, cuda)
     event = torch.cuda.Event() if cuda else None
     if event is not None:
         event.record()   # the copies of now (the training stream waits for them already)
@@ -199,8 +205,8 @@ def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tupl
         segments, spans = _compact_segments(whole, shards, writes, layout.at)
         objs = _objects_as_they_are(placed, segments)
     snap = Snapshot(total, segments, spans, objs, staging, event, references=layout.references)
-    if later:
-        snap.deferred = _deferred_copy(snap, staging, shards, writes, layout.at, sorted(later), cuda)
+    if layout.later:
+        snap.deferred = _deferred_copy(snap, staging, shards, writes, layout.at, sorted(layout.later), cuda)
     return snap
 
 
