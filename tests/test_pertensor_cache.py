@@ -130,7 +130,13 @@ def _optimizer_state_dtype(model, opt, state):
         st["exp_avg"].data = st["exp_avg"].data.double()
 
 
-@pytest.mark.parametrize("change", [_change_shape, _change_to_a_view, _change_dtype, _change_data, _add_key,
+def _transpose_in_place(model, opt, state):
+    with torch.no_grad():                                 # same object, address, shape, dtype; new strides
+        model[0].weight.as_strided_((8, 6), (1, 8))       # (what t_() does to a square matrix)
+
+
+@pytest.mark.parametrize("change", [_change_shape, _change_to_a_view, _transpose_in_place, _change_dtype,
+                                    _change_data, _add_key,
                                     _add_buffer, _buffer_not_persistent, _replace_module, _optimizer_reloaded,
                                     _optimizer_state_dtype])
 @pytest.mark.parametrize("async_save", [False, True])

@@ -194,9 +194,9 @@ _SPEC_PARTS = (attrgetter("placements"), attrgetter("mesh"), attrgetter("tensor_
 
 
 def _tensors_sig(tensors: list) -> list:
-    """The tensors' part of a fingerprint: their identities; for a plain tensor its shape, dtype
-    and address (a detached view the memo holds is stale once the tensor's data is replaced); for
-    a DTensor its local shard's identity and address and its spec's placements, mesh and
+    """The tensors' part of a fingerprint: their identities; for a plain tensor its shape, dtype,
+    strides and address (a detached view the memo holds is stale once the tensor's data is replaced); for
+    a DTensor its local shard's identity, shape, dtype, strides and address and its spec's placements, mesh and
     tensor_meta (global shape, stride, dtype), by identity: a redistributed or converted DTensor
     gets a new spec and local shard (module._apply swaps both into the same parameter object). A
     DTensor's local shard is trusted to agree with its spec, as every DTensor operation keeps it."""
@@ -207,7 +207,11 @@ def _tensors_sig(tensors: list) -> list:
     locals_ = list(map(_LOCAL, dts))
     specs = list(map(_SPEC, dts))
     parts = [list(map(get, specs)) for get in _SPEC_PARTS]
+    # strides too: an in-place transpose of a square tensor (t_(), transpose_) keeps its address,
+    # shape and dtype, and a reused layout would write its bytes in the old order
     return [list(map(id, tensors)), list(map(_SHAPE_DTYPE, plain)), list(map(torch.Tensor.data_ptr, plain)),
+            list(map(torch.Tensor.stride, plain)), list(map(_SHAPE_DTYPE, locals_)),
+            list(map(torch.Tensor.stride, locals_)),
             list(map(id, locals_)), list(map(torch.Tensor.data_ptr, locals_)), list(map(id, specs)),
             *(list(map(id, p)) for p in parts), _Held((tensors, locals_, specs, parts))]
 
