@@ -141,9 +141,9 @@ class Cadence:
         self._agreed_report: CadenceReport | None = None
 
     # ------------------------------------------------------------------ measurements
-    def observe_call(self, step: int, now: float, in_flight: bool | None = None) -> None:
+    def observe_call(self, step: int, now: float) -> None:
         """A save() call at `step`, at monotonic time `now`: the steps since the previous call were
-        affected by the save open now, or quiet. (`in_flight` is not needed: kept for callers.)"""
+        affected by the save open now, or quiet."""
         if self._last_call is not None:
             prev_step, prev_t = self._last_call
             if step > prev_step and now > prev_t:
@@ -181,9 +181,6 @@ class Cadence:
         """The open save is durable, `background_s` after its call: SETTLE more steps count as its."""
         if self._open is not None and self._open.background is None:
             self._open.background = max(background_s, 0.0)
-
-    def saved(self, step: int) -> None:
-        self._last_saved = step
 
     @property
     def last_saved(self) -> int | None:
@@ -225,11 +222,6 @@ class Cadence:
         return {"step": base, "stall": stall, "background": med(f.background for f in done),
                 "cost": cost, "interference": cost - stall, "flight": med(f.flight_steps for f in done),
                 "affected": med(f.steps for f in done)}
-
-    def interference_s(self) -> float:
-        """Training time lost per save beyond its stall (the steps it affected, against the baseline)."""
-        m = self._medians()
-        return max(m["interference"], 0.0) if m else 0.0
 
     def interval(self) -> int | None:
         """Steps between saves under the current measurements (None in continuous mode, and while

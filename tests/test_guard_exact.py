@@ -263,7 +263,7 @@ def test_backoff_and_a_failed_attempt_counts_for_the_cadence():
     assert not c.due(1, False) and c.due(10, False)
     c.failed(10)
     assert not c.due(20, False) and c.due(30, False)
-    c.saved(30)
+    c.started(30, stall_s=0.0)
     c.succeeded()
     assert c.due(40, False) and c.report().failures_in_a_row == 0
 
