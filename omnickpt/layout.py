@@ -105,6 +105,17 @@ class BoxIndex:
         return idx[order], lo[order], (hi - lo)[order]
 
 
+def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ranges [starts[i], starts[i] + counts[i]) as one int64 index array, without a
+    loop (the rows of many tensors in a manifest's columns, the chunks of many boxes)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - (ends - counts), counts)
+
+
 def relative(inner: Box, outer: Box) -> Box:
     """`inner` expressed in the local coordinates of `outer` (which must contain it)."""
     return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets)), inner.lengths)

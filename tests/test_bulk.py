@@ -3,6 +3,7 @@
 copies at their edges."""
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -222,6 +223,62 @@ def test_bulk_plan_reads_of_many_small_tensors_equals_the_scalar_plan():
         assert got == _scalar_plan(Manifest.decode(data), wanted), case
 
 
+def _random_small_tensors(rng: random.Random, count: int) -> dict:
+    tensors = {}
+    for t in range(count):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(0, 3)))
+        boxes = _tiling(rng, shape)
+        tensors[f"t{t}"] = (shape, boxes if len(boxes) < _INDEX_FROM else [Box.full(shape)])
+    return tensors
+
+
+def test_joined_columns_of_a_decoded_manifest_equal_its_entries_concatenated():
+    # The join reads many tensors' rows straight from the decoded arrays; it must give exactly
+    # each entry's own columns one after the other, CRC positions shifted into the joined CRCs.
+    from omnickpt.format.records import joined_columns
+    rng = random.Random(8)
+    tensors = _random_small_tensors(rng, 120)
+    data = _columns_manifest(rng, tensors).encode()
+    for nd in (0, 1, 2, 3):
+        names = [n for n, (s, _) in tensors.items() if len(s) == nd]
+        rng.shuffle(names)
+        if not names:
+            continue
+        lazy, eager = Manifest.decode(data), Manifest.decode(data)
+        assert all(lazy.tensors[n].pending is not None for n in names)
+        joined = joined_columns([lazy.tensors[n] for n in names])
+        cols = [eager.tensors[n].columns for n in names]
+        for field in ("file", "offset", "nbytes", "crcs"):
+            assert getattr(joined, field).tolist() == np.concatenate([getattr(c, field) for c in cols]).tolist()
+        assert joined.offsets.tolist() == np.concatenate([c.offsets for c in cols]).tolist()
+        assert joined.lengths.tolist() == np.concatenate([c.lengths for c in cols]).tolist()
+        boxes = [b for n in names for b in eager.tensors[n].boxes]
+        assert [joined.sums(i) for i in range(len(boxes))] == [b.sums for b in boxes]
+        # entries whose columns were made already join the slow way, with the same result
+        mixed = joined_columns([eager.tensors[n] for n in names])
+        assert [mixed.sums(i) for i in range(len(boxes))] == [b.sums for b in boxes]
+
+
+def test_bulk_plan_reads_of_partly_decoded_entries_equals_the_scalar_plan():
+    # A manifest some of whose entries were listed (boxes) or made into columns before the plan:
+    # those are planned by other paths than the ones joined from the arrays; all agree.
+    rng = random.Random(13)
+    for case in range(10):
+        tensors = _random_small_tensors(rng, rng.randint(2, 150))
+        wanted = [(n, Box.full(s)) for n, (s, _) in tensors.items()]
+        wanted += [(n, q) for n, (s, _) in tensors.items() for q in [_random_box(rng, s)] if q.numel]
+        rng.shuffle(wanted)
+        data = _columns_manifest(rng, tensors).encode()
+        m = Manifest.decode(data)
+        for name, entry in m.tensors.items():
+            touch = rng.random()
+            if touch < 0.3:
+                entry.columns
+            elif touch < 0.5:
+                entry.boxes
+        assert plan_reads(m, wanted) == _scalar_plan(Manifest.decode(data), wanted), case
+
+
 def test_plan_reads_lists_every_gap_in_wanted_order_whatever_the_path():
     rng = random.Random(2)
     rows = [Box((r, 0), (1, 4)) for r in range(32) if r != 17]            # indexed: 31 boxes
@@ -271,3 +328,90 @@ def test_overlap_sweep_on_a_large_grid_with_one_moved_box():
     assert overlap_problem_arrays(offs, lens) is None
     offs[g * g // 2, 1] += 1
     assert "overlap" in overlap_problem_arrays(offs, lens)
+
+
+def _random_items(rng: random.Random, count: int):
+    """(read item, itemsize) of random small boxes (0-d to 3-d) with random checksum grids, some
+    compressed, some without checksums."""
+    items = []
+    for i in range(count):
+        nd = rng.randint(0, 3)
+        lens = tuple(rng.randint(1, 5) for _ in range(nd))
+        offs = tuple(rng.randint(0, 7) for _ in range(nd))
+        region = _random_box(rng, lens)
+        region = Box(tuple(o + r for o, r in zip(offs, region.offsets)), region.lengths)
+        if not region.numel:
+            region = Box(offs, lens)
+        itemsize = rng.choice([1, 2, 4, 8])
+        off = rng.randint(0, 1 << 20)
+        nbytes = math.prod(lens) * itemsize
+        size = rng.choice([4, 16, 64, 1 << 22])
+        crcs = tuple(rng.getrandbits(32) for _ in range(max(1, -(-nbytes // size))))
+        kind = rng.random()
+        sums = (None if kind < 0.15 else
+                Sums(off, off + nbytes, size, crcs, stored=tuple(min(size, 3) for _ in crcs)) if kind < 0.3 else
+                Sums(off, off + nbytes, size, crcs))
+        sb = SavedBox(offs, lens, rng.randint(0, 3), off, nbytes, sums)
+        items.append((ReadItem(f"t{i}", i, sb, region), itemsize))
+    return items
+
+
+def test_chunks_to_check_in_bulk_lists_each_used_chunk_once_in_first_use_order():
+    from omnickpt.engine.load import _chunks_to_check, _Extent, _need
+    rng = random.Random(6)
+    for case in range(30):
+        pairs = _random_items(rng, rng.randint(1, 300))
+        # several items of one box: chunks shared by needs must be listed once
+        pairs += [(ReadItem(it.name, len(pairs) + k, it.saved, it.region), s) for k, (it, s) in enumerate(pairs[:20])]
+        items = [p[0] for p in pairs]
+        needs = [_need(i, it, p[1], True, {}) for i, (it, p) in enumerate(zip(items, pairs))]
+        rng.shuffle(needs)
+        expect, seen = [], set()
+        for n in needs:
+            sums = items[n.index].saved.sums
+            if sums is None:
+                continue
+            for c in range((n.lo - sums.start) // sums.size, -(-(n.hi - sums.start) // sums.size)):
+                a = sums.start + c * sums.size
+                b = min(a + sums.size, sums.end)
+                if (a, b) not in seen:
+                    seen.add((a, b))
+                    expect.append((a, b, sums.crcs[c], n.index))
+        firsts, ends, crcs, users = _chunks_to_check(_Extent(0, 0, 0, needs), items)
+        assert list(zip(firsts, ends, crcs, [n.index for n in users])) == expect, case
+
+
+@pytest.mark.parametrize("dest_kind", ["contiguous", "column slice", "transposed"])
+def test_many_small_boxes_load_into_strided_destinations(tmp_path, dest_kind):
+    # Thousands of small boxes of a finely sharded tensor, each one run in the file and many in
+    # its destination, are installed together by index: into a plain tensor, a column slice of a
+    # wider one and a transposed view, every element lands where it belongs and nothing else moves.
+    import omnickpt
+    from omnickpt import ShardSpec
+    shape, br, bc = (96, 40), 3, 2
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * 0.25
+    state = {f"b{r}.{c}": ShardSpec(full[r:r + br, c:c + bc].clone(), (r, c), shape, name="w")
+             for r in range(0, shape[0], br) for c in range(0, shape[1], bc)}
+    omnickpt.save(str(tmp_path / "ck"), state)
+    if dest_kind == "contiguous":
+        host = torch.full(shape, -1.0)
+        dest = host
+    elif dest_kind == "column slice":
+        host = torch.full((shape[0], shape[1] + 7), -1.0)
+        dest = host[:, 3:3 + shape[1]]
+    else:
+        host = torch.full((shape[1], shape[0]), -1.0)
+        dest = host.t()
+    rows = slice(5, 77)   # a part of the tensor: boxes cut at both ends are read in part
+    target = dest[rows]
+    with omnickpt.Checkpointer() as ck:
+        ck.load(str(tmp_path / "ck"), {"w": ShardSpec(target, (rows.start, 0), shape, name="w")})
+    assert torch.equal(target, full[rows])
+    untouched = torch.ones_like(host, dtype=torch.bool)
+    if dest_kind == "transposed":
+        untouched.t()[rows] = False
+    elif dest_kind == "column slice":
+        untouched[rows, 3:3 + shape[1]] = False
+    else:
+        untouched[rows] = False
+    assert (host[untouched] == -1.0).all()

@@ -225,6 +225,23 @@ def test_v3_hostile_fields_are_refused_naming_the_file(case):
     assert "ckpt/manifest.json" in str(info.value)
 
 
+@pytest.mark.parametrize("shape, reason", [([4.0, 6], "shape"), ([True, 6], "shape"), ([-4, 6], "impossible shape"),
+                                           ([[4], 6], "shape")])
+def test_v3_a_bad_shape_after_many_good_ones_of_its_look_is_refused(shape, reason):
+    # Records of one (dtype, shape) are checked once and the rest looked up: a later record whose
+    # shape only compares equal ([4.0, 6], [True, 6]) or differs must still be checked in full.
+    m = _manifest()
+    for i in range(5):
+        m.tensors[f"model/w{i}"] = TensorEntry((4, 6), "float32", [SavedBox.stored((0, 0), (4, 6), 0, 512 + 96 * i,
+                                                                                    96, [i])])
+    version, head, arrays = _v3_split(m.encode())
+    assert Manifest.decode(_v3_pack(version, head, arrays)).tensors["model/w4"].shape == (4, 6)
+    head["tensors"]["model/w4"]["shape"] = shape
+    with pytest.raises(CorruptCheckpointError, match=reason) as info:
+        Manifest.decode(_v3_pack(version, head, arrays), where="ckpt/manifest.json")
+    assert "model/w4" in str(info.value) and "ckpt/manifest.json" in str(info.value)
+
+
 @pytest.mark.parametrize("cut", [0.0, 0.1, 0.5, 0.9, 0.999])
 def test_v3_truncated_anywhere_is_corrupt(cut):
     raw = _manifest().encode()

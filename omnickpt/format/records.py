@@ -370,7 +370,18 @@ class TensorEntry:
 
     @property
     def box_count(self) -> int:
-        return len(self._boxes) if self._boxes is not None else len(self.columns)
+        if self._boxes is not None:
+            return len(self._boxes)
+        if self._load is not None and hasattr(self._load, "join"):
+            return len(self._load)   # without decoding the rows
+        return len(self.columns)
+
+    @property
+    def pending(self):
+        """The undecoded rows of a lazily decoded entry that can be joined with others' in bulk
+        (see joined_columns), else None."""
+        load = self._load
+        return load if load is not None and self._boxes is None and hasattr(load, "join") else None
 
     @property
     def nbytes(self) -> int:
@@ -385,6 +396,27 @@ class TensorEntry:
 
     def __repr__(self) -> str:
         return f"TensorEntry(shape={tuple(self.shape)}, dtype={self.dtype!r}, boxes={self.box_count})"
+
+
+def joined_columns(entries: "list[TensorEntry]") -> BoxColumns:
+    """The stored boxes of `entries` (one ndim and chunk size, none built from a box list)
+    concatenated as one BoxColumns in their order, sums_start into the concatenated CRCs. Entries
+    of a decoded manifest are joined straight from its arrays, without a BoxColumns per tensor."""
+    loads = [e.pending for e in entries]
+    if all(x is not None for x in loads) and len({x.group for x in loads}) == 1:
+        return type(loads[0]).join(loads)
+    cols = [e.columns for e in entries]
+    counts = np.fromiter((len(c.crcs) for c in cols), dtype=np.int64, count=len(cols))
+    base = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    starts = np.concatenate([c.sums_start[:-1] + b for c, b in zip(cols, base.tolist())] + [[int(counts.sum())]])
+    first = cols[0]
+    return BoxColumns(
+        offsets=np.concatenate([c.offsets for c in cols]), lengths=np.concatenate([c.lengths for c in cols]),
+        file=np.concatenate([c.file for c in cols]), offset=np.concatenate([c.offset for c in cols]),
+        nbytes=np.concatenate([c.nbytes for c in cols]), sums_start=starts.astype(np.int64),
+        crcs=np.concatenate([c.crcs for c in cols]), chunk_bytes=first.chunk_bytes,
+        stored=None if first.stored is None else np.concatenate([c.stored for c in cols]),
+        codec=first.codec, itemsize=first.itemsize, dtype=first.dtype)
 
 
 @dataclass

@@ -23,12 +23,12 @@ import numpy as np
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format.checksum import checksum
 from omnickpt.format.codec import TENSOR_CODECS
-from omnickpt.format.header import (MAX_INT, MAX_VERSION, check_version, chunk_bytes_field, corrupt, decode_files,
-                                    decode_manifest_fields, encode_header, int_field, ints_field, json_document,
-                                    refuse_constant, stored_columns)
+from omnickpt.format.header import (MAX_DIMS, MAX_INT, MAX_VERSION, check_version, chunk_bytes_field, corrupt,
+                                    decode_files, decode_manifest_fields, encode_header, int_field, ints_field,
+                                    json_document, refuse_constant, stored_columns)
 from omnickpt.format.quant import QUANT_DTYPES
 from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TensorEntry, dtype_from_name
-from omnickpt.layout import bulk_disjoint, overlap_problem_arrays
+from omnickpt.layout import bulk_disjoint, overlap_problem_arrays, spans
 
 if TYPE_CHECKING:   # Manifest sits above the codecs (format/manifest.py), which hands its class to them
     from omnickpt.format.manifest import Manifest
@@ -268,8 +268,9 @@ def _read_index(m: Manifest, index: dict, where: str, wanted: set | None) -> _In
     """Every tensor's index record checked (shape, dtype, counts, codec); the quantized ones among
     the wanted noted in m.quantized."""
     names, shapes, dtypes, itemsizes, nbox, nchunk, codecs = [], [], [], [], [], [], []
+    checked: dict[tuple, tuple] = {}   # see _checked_record
     for name, t in index.items():
-        shape, itemsize, n, k = _tensor_record(name, t, where)
+        shape, itemsize, n, k = _checked_record(name, t, where, checked)
         codec = _tensor_codec(m, name, t, where)
         if codec is not None and (wanted is None or name in wanted):
             m.quantized[name] = {"scheme": codec, "max_error": float(t["max_error"])}
@@ -287,6 +288,26 @@ def _read_index(m: Manifest, index: dict, where: str, wanted: set | None) -> _In
                   row0=np.concatenate(([0], np.cumsum(nbox_a))),
                   elem0=np.concatenate(([0], np.cumsum(nbox_a * ndim))),
                   crc0=np.concatenate(([0], np.cumsum(nchunk_a))))
+
+
+def _checked_record(name: str, t, where: str, checked: dict) -> tuple[tuple[int, ...], int, int, int]:
+    """_tensor_record, with each (dtype, shape) checked once: 10^4 tensors of an MoE model share a
+    few. `checked` maps (dtype, shape) to (shape, itemsize); only shapes of plain ints are keys, so
+    that a shape [1.0, 2] or [True, 2] is never taken for a checked [1, 2]."""
+    raw, dtype = (t.get("shape"), t.get("dtype")) if type(t) is dict else (None, None)
+    key = None
+    if type(raw) is list and type(dtype) is str and len(raw) <= MAX_DIMS and all(type(x) is int for x in raw):
+        key = (dtype, tuple(raw))
+    hit = checked.get(key) if key is not None else None
+    if hit is None:
+        shape, itemsize, n, k = _tensor_record(name, t, where)
+        if key is not None:
+            checked[key] = (shape, itemsize)
+        return shape, itemsize, n, k
+    n, k = int_field(t["boxes"], f"tensor {name!r} boxes"), int_field(t["chunks"], f"tensor {name!r} chunks")
+    if n < 0 or k < 0:
+        raise corrupt(where, f"tensor {name!r} declares {n} boxes and {k} chunks")
+    return hit[0], hit[1], n, k
 
 
 def _tensor_record(name: str, t, where: str) -> tuple[tuple[int, ...], int, int, int]:
@@ -319,15 +340,6 @@ def _tensor_codec(m: Manifest, name: str, t: dict, where: str) -> str | None:
     return codec
 
 
-def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated ranges [starts[i], starts[i] + counts[i]) as one index array, without a loop."""
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
-
-
 
 def _validate_rows(m: Manifest, store: "_Rows", idx: _Index, sel: list[int], where: str) -> None:
     """Check the rows of the selected tensors, tensors of one rank (ndim) at a time, so that each
@@ -344,7 +356,7 @@ def _validate_rows(m: Manifest, store: "_Rows", idx: _Index, sel: list[int], whe
         numel = lens.prod(axis=1) if nd else np.ones(group.total, dtype=np.int64)
         nbytes = numel * np.repeat(np.array(idx.itemsizes, dtype=np.int64)[group.ts], group.n_t)
         _check_chunk_counts(group, nbytes, m.chunk_bytes, where)
-        span = nbytes if store.codec is None else _checked_stored_spans(group, store, m.chunk_bytes, nbytes, where)
+        span = nbytes if store.codec is None else _checked_storedspans(group, store, m.chunk_bytes, nbytes, where)
         _check_inside_files(group, store, span, fbytes, len(m.files), where)
         store.nbytes[group.rows] = nbytes
         _check_disjoint(group, offs, lens, numel, where)
@@ -365,8 +377,8 @@ class _Group:
             self.rows = slice(int(r0[ts[0]]), int(r0[ts[0]]) + self.total)
             self.elems = slice(int(e0[ts[0]]), int(e0[ts[0]]) + self.total * nd)
         else:
-            self.rows = _spans(r0[ts], self.n_t)
-            self.elems = _spans(e0[ts], self.n_t * nd)
+            self.rows = spans(r0[ts], self.n_t)
+            self.elems = spans(e0[ts], self.n_t * nd)
 
     def name_of_row(self, i: int) -> str:
         """The name of the tensor that row i of the group belongs to."""
@@ -396,9 +408,9 @@ def _check_chunk_counts(g: _Group, nbytes: np.ndarray, chunk_bytes: int, where: 
                       f"boxes hold {int(per_t[j])} chunks of {chunk_bytes} bytes")
 
 
-def _checked_stored_spans(g: _Group, store: "_Rows", chunk_bytes: int, nbytes: np.ndarray, where: str) -> np.ndarray:
+def _checked_storedspans(g: _Group, store: "_Rows", chunk_bytes: int, nbytes: np.ndarray, where: str) -> np.ndarray:
     """The file bytes each box's stored (compressed) chunks occupy."""
-    span, bad_box = _stored_spans(store, chunk_bytes, g.idx.crc0[g.ts], g.idx.nchunk[g.ts], nbytes)
+    span, bad_box = _storedspans(store, chunk_bytes, g.idx.crc0[g.ts], g.idx.nchunk[g.ts], nbytes)
     if bad_box is not None:
         raise corrupt(where, f"tensor {g.name_of_row(bad_box)!r} has a stored chunk length outside 1..its raw length")
     return span
@@ -427,11 +439,11 @@ def _check_disjoint(g: _Group, offs: np.ndarray, lens: np.ndarray, numel: np.nda
             raise corrupt(where, f"tensor {g.idx.names[g.ts[j]]!r}: {problem}")
 
 
-def _stored_spans(store, chunk_bytes: int, crc0, nchunk, nbytes) -> tuple[np.ndarray, int | None]:
+def _storedspans(store, chunk_bytes: int, crc0, nchunk, nbytes) -> tuple[np.ndarray, int | None]:
     """(the file bytes each box's stored chunks occupy, the first box with an impossible stored
     length or None), for the rows of tensors whose chunks start at crc0 and number nchunk, box raw
     sizes nbytes. A chunk is stored in 1..its raw length bytes (equal: stored raw)."""
-    idx = _spans(crc0, nchunk)
+    idx = spans(crc0, nchunk)
     stored = store.raw[_STORED][idx].astype(np.int64)
     per_box = -(-nbytes // chunk_bytes)
     # The raw length of each chunk: chunk_bytes, except the last of each box.
@@ -463,11 +475,15 @@ class _Rows:
         small tensors) each whole array is widened once and sliced from then on."""
         self._slices += 1
         if self._slices > 256 * 7:     # ~7 columns per tensor: after 256 tensors
-            wide = self._wide.get(name)
-            if wide is None:
-                wide = self._wide[name] = self.raw[name].astype(dtype)
-            return wide[lo:hi]
+            return self.whole(name, dtype)[lo:hi]
         return self.raw[name][lo:hi].astype(dtype)
+
+    def whole(self, name: str, dtype=np.int64) -> np.ndarray:
+        """Array `name` widened to `dtype`, once."""
+        wide = self._wide.get(name)
+        if wide is None:
+            wide = self._wide[name] = self.raw[name].astype(dtype)
+        return wide
 
 
 @dataclass(frozen=True)
@@ -482,6 +498,48 @@ class _Slice:
     itemsize: int
     dtype: str | None = None
     codec: str | None = None    # this tensor's own (quantized), else the manifest's
+
+    def __len__(self) -> int:
+        return self.row1 - self.row0
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.store.chunk_bytes
+
+    @property
+    def group(self) -> tuple:
+        """Slices with equal groups are joined in one pass (join)."""
+        codec = self.codec or self.store.codec
+        # A compressed box's grid names its dtype: such slices join with their own dtype only.
+        return (id(self.store), self.ndim, codec) + ((self.itemsize, self.dtype) if codec else ())
+
+    @staticmethod
+    def join(slices: "list[_Slice]") -> BoxColumns:
+        """The rows of many slices of one group, concatenated in their order, as one BoxColumns
+        (sums_start into the concatenated CRCs): what calling each and concatenating gives, in a
+        few numpy passes however many tensors there are (a load of 10^4 small tensors)."""
+        first = slices[0]
+        store, nd, codec = first.store, first.ndim, first.codec or first.store.codec
+        row0 = np.fromiter((s.row0 for s in slices), dtype=np.int64, count=len(slices))
+        counts = np.fromiter((s.row1 for s in slices), dtype=np.int64, count=len(slices)) - row0
+        rows = spans(row0, counts)
+        nbytes = store.nbytes[rows]
+        starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(-(-nbytes // store.chunk_bytes), out=starts[1:])
+        ends = np.cumsum(counts)
+        chunks = starts[ends] - starts[ends - counts]   # each slice's CRC count
+        crc0 = np.fromiter((s.crc0 for s in slices), dtype=np.int64, count=len(slices))
+        at = spans(crc0, chunks)
+        elem0 = np.fromiter((s.elem0 for s in slices), dtype=np.int64, count=len(slices))
+        elems = spans(elem0, counts * nd)
+        whole = store.whole
+        return BoxColumns(
+            offsets=whole("offsets")[elems].reshape(len(rows), nd),
+            lengths=whole("lengths")[elems].reshape(len(rows), nd),
+            file=whole("file")[rows], offset=whole("offset")[rows], nbytes=nbytes, sums_start=starts,
+            crcs=whole("crcs", np.uint32)[at], chunk_bytes=store.chunk_bytes,
+            stored=None if codec is None else whole(_STORED)[at],
+            codec=codec, itemsize=first.itemsize, dtype=first.dtype)
 
     def __call__(self) -> BoxColumns:
         n = self.row1 - self.row0

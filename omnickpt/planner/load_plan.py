@@ -7,6 +7,7 @@ import numpy as np
 
 from omnickpt.errors import MismatchError
 from omnickpt.format.manifest import Manifest, SavedBox, Sums, WindowBox
+from omnickpt.format.records import joined_columns
 from omnickpt.layout import Box, BoxIndex, intersect
 
 # SavedBox.file of a box that is not stored at all: its elements load as zeros. Only transforms
@@ -73,9 +74,9 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
             continue
         covered = 0
         if entry.box_count < _INDEX_FROM:
-            cols = None if _holds_box_list(entry) else entry.columns
-            if cols is not None:
-                small.setdefault((len(entry.shape), cols.chunk_bytes), []).append((di, name, box, cols))
+            key = _small_key(entry)
+            if key is not None:
+                small.setdefault(key, []).append((di, name, box, entry))
                 continue
             for sb in entry.boxes:
                 region = intersect(Box(sb.offsets, sb.lengths), box)
@@ -94,7 +95,7 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
                                for sb, o, n in zip(saved, offs.tolist(), lens.tolist())]
         if covered < box.numel:
             gaps.append((di, _gap(name, covered, box)))
-    for (ndim, chunk_bytes), group in small.items():
+    for (ndim, chunk_bytes, _), group in small.items():
         _plan_small(group, ndim, chunk_bytes, per_box, gaps)
     if gaps:
         lines = [g for _, g in sorted(gaps, key=lambda g: g[0])]
@@ -108,35 +109,42 @@ def _gap(name: str, covered: int, box: Box) -> str:
             f"offsets={list(box.offsets)} lengths={list(box.lengths)}")
 
 
-def _holds_box_list(entry) -> bool:
-    """Whether `entry` already holds its boxes as SavedBox records (built from a list: foreign
-    formats, transforms; or listed before): intersecting those one by one costs less than making
-    columns of them. A decoded manifest's entry holds columns only."""
-    return getattr(entry, "holds_boxes", True)
+def _small_key(entry) -> tuple | None:
+    """The bulk group of an entry with few stored boxes: (ndim, chunk size, the manifest arrays
+    its rows are joined from, or None); None when the entry holds SavedBox records already
+    (foreign formats, transforms, listed before): intersecting those one by one costs less."""
+    pending = getattr(entry, "pending", None)
+    if pending is not None:
+        return len(entry.shape), pending.chunk_bytes, pending.group
+    if getattr(entry, "holds_boxes", True):
+        return None
+    cols = entry.columns
+    return None if cols is None else (len(entry.shape), cols.chunk_bytes, None)
 
 
 def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[list[ReadItem]],
                 gaps: list[tuple[int, str]]) -> None:
     """The reads of wanted boxes of tensors with few stored boxes, all of one ndim and checksum
-    kind: their boxes concatenated, every (stored box, wanted box of its tensor) pair intersected
-    in one numpy pass, records made for the overlaps only (one per tensor with a 1:1 layout)."""
-    cols = [g[3] for g in group]
-    owner, offs, lens, lo, n = _small_overlaps(group, cols, ndim)
+    kind: their boxes joined (straight from the manifest's arrays where it was decoded), every
+    (stored box, wanted box of its tensor) pair intersected in one numpy pass, records made for
+    the overlaps only (one per tensor with a 1:1 layout)."""
+    cols = joined_columns([g[3] for g in group])
+    counts = np.fromiter((g[3].box_count for g in group), dtype=np.int64, count=len(group))
+    owner = np.repeat(np.arange(len(group)), counts)
+    lo, n = _small_overlaps(group, cols, owner, ndim)
     hit = np.flatnonzero((n > 0).all(axis=1))
     numel = n[hit].prod(axis=1)
-    covered = np.zeros(len(cols), dtype=np.int64)
+    covered = np.zeros(len(group), dtype=np.int64)
     np.add.at(covered, owner[hit], numel)
     for k in np.flatnonzero(covered < np.array([g[2].numel for g in group], dtype=np.int64)).tolist():
         gaps.append((group[k][0], _gap(group[k][1], int(covered[k]), group[k][2])))
     if not len(hit):
         return
     who = owner[hit]
-    file = np.concatenate([c.file for c in cols])[hit].tolist()
-    offset = np.concatenate([c.offset for c in cols])[hit].tolist()
-    nbytes = np.concatenate([c.nbytes for c in cols])[hit].tolist()
-    sums = _small_sums(cols, hit, who, offset, nbytes, chunk_bytes)
-    saved_offs = map(tuple, offs[hit].tolist())
-    saved_lens = map(tuple, lens[hit].tolist())
+    file, offset, nbytes = cols.file[hit].tolist(), cols.offset[hit].tolist(), cols.nbytes[hit].tolist()
+    sums = _small_sums(cols, hit, offset, nbytes, chunk_bytes)
+    saved_offs = map(tuple, cols.offsets[hit].tolist())
+    saved_lens = map(tuple, cols.lengths[hit].tolist())
     regions = zip(map(tuple, lo[hit].tolist()), map(tuple, n[hit].tolist()))
     for k, so, sl, f, a, b, sm, (ro, rl) in zip(who.tolist(), saved_offs, saved_lens, file, offset, nbytes, sums,
                                                  regions):
@@ -144,35 +152,23 @@ def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[l
         per_box[di].append(ReadItem(name, di, SavedBox(so, sl, f, a, b, sm), Box(ro, rl)))
 
 
-def _small_overlaps(group: list, cols: list, ndim: int):
-    """(owner, offs, lens, lo, n): the group's stored boxes concatenated (owner: the group entry of
-    each), and each one's overlap with its entry's wanted box as offsets `lo` and lengths `n`
-    (a length <= 0 where they do not overlap)."""
-    counts = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
-    owner = np.repeat(np.arange(len(cols)), counts)
-    offs = np.concatenate([c.offsets for c in cols]).reshape(len(owner), ndim)
-    lens = np.concatenate([c.lengths for c in cols]).reshape(len(owner), ndim)
-    q_lo = np.array([g[2].offsets for g in group], dtype=np.int64).reshape(len(cols), ndim)
-    q_hi = q_lo + np.array([g[2].lengths for g in group], dtype=np.int64).reshape(len(cols), ndim)
-    lo = np.maximum(offs, q_lo[owner])
-    n = np.minimum(offs + lens, q_hi[owner]) - lo
-    return owner, offs, lens, lo, n
+def _small_overlaps(group: list, cols, owner: np.ndarray, ndim: int):
+    """(lo, n): each joined stored box's overlap with its entry's wanted box, as offsets `lo` and
+    lengths `n` (a length <= 0 where they do not overlap)."""
+    q_lo = np.array([g[2].offsets for g in group], dtype=np.int64).reshape(len(group), ndim)
+    q_hi = q_lo + np.array([g[2].lengths for g in group], dtype=np.int64).reshape(len(group), ndim)
+    lo = np.maximum(cols.offsets, q_lo[owner])
+    n = np.minimum(cols.offsets + cols.lengths, q_hi[owner]) - lo
+    return lo, n
 
 
-def _small_sums(cols: list, hit: np.ndarray, who: np.ndarray, offset: list[int], nbytes: list[int],
+def _small_sums(cols, hit: np.ndarray, offset: list[int], nbytes: list[int],
                 chunk_bytes: int | None) -> list[Sums | None]:
-    """The checksums of the overlapped stored boxes `hit` (their group entries `who`), or Nones when
-    the group has no checksums."""
+    """The checksums of the overlapped joined boxes `hit`, or Nones when the group has none."""
     if chunk_bytes is None:
         return [None] * len(hit)
-    # Each tensor's sums_start has one more row than it has boxes and counts in its own crcs.
-    crc_base = np.zeros(len(cols), dtype=np.int64)
-    crc_base[1:] = np.cumsum(np.fromiter((len(c.crcs) for c in cols[:-1]), dtype=np.int64, count=len(cols) - 1))
-    starts = np.concatenate([c.sums_start for c in cols])
-    at = hit + who
-    s0 = (starts[at] + crc_base[who]).tolist()
-    s1 = (starts[at + 1] + crc_base[who]).tolist()
-    crcs = np.concatenate([c.crcs for c in cols]).tolist()
+    s0, s1 = cols.sums_start[hit].tolist(), cols.sums_start[hit + 1].tolist()
+    crcs = cols.crcs.tolist()
     return [Sums(a, a + b, chunk_bytes or max(1, b), tuple(crcs[i:j]))
             for a, b, i, j in zip(offset, nbytes, s0, s1)]
 

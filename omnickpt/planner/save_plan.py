@@ -20,7 +20,7 @@ import numpy as np
 import numpy.ma  # noqa: F401
 
 from omnickpt.errors import PlanError
-from omnickpt.layout import Box
+from omnickpt.layout import Box, spans
 from omnickpt.planner.replicas import group_replicas, stable_order
 
 ALIGN = 64
@@ -493,7 +493,7 @@ def _choose_writers(group, rank, nbytes, world, load0=None, count0=None) -> np.n
     starts = np.concatenate(([0], np.nonzero(g[1:] != g[:-1])[0] + 1))
     h = np.diff(np.append(starts, len(multi)))
     gorder = np.argsort(-nbytes[multi[starts]], kind="stable")
-    multi = multi[_spans(starts[gorder], h[gorder])]
+    multi = multi[spans(starts[gorder], h[gorder])]
     bounds = np.concatenate(([0], np.cumsum(h[gorder])))
     holders_all = rank[multi]
     if len(bounds) - 1 > LOOP_LIMIT:
@@ -584,9 +584,3 @@ def _lpt_by_holder_sets(bounds, holders, sizes, load, count, world) -> np.ndarra
                 count[r] += 1
                 picks[g] = pick
     return picks
-
-
-def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated ranges [starts[i], starts[i] + counts[i]) as one index array, without a loop."""
-    ends = np.cumsum(counts)
-    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
