@@ -78,8 +78,9 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 1800.0, threads: int 
 
 
 def evict(root: str) -> None:
-    """Drop every file under `root` from the page cache (its clean pages: saves fsync), so that the next
-    read comes from the device, as a restarted job's does. No root privileges needed."""
+    """Drop every file under `root` from the page cache, so that the next read comes from the
+    device, as a restarted job's does: fsync first (DONTNEED cannot drop dirty pages), then
+    POSIX_FADV_DONTNEED. No root privileges needed."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             try:
@@ -87,6 +88,7 @@ def evict(root: str) -> None:
             except OSError:
                 continue
             try:
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)

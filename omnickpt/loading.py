@@ -5,6 +5,7 @@ pool, communicators); the save side is omnickpt.saving."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -111,12 +112,13 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
         if not (o.strict and job.differences):
             _check_objects(job, comm, o.allow_pickle, o.strict)
         wants = [(item_key(it), it.nbytes) for it in job.items] if dedup else []
-        return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job)
+        return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job), _files_read(job)
 
     gathered = comm.run_step(f"load from {path}, step plan", plan)
     _same_path([g[3] for g in gathered], "load")
     differences = _agree_on_differences(job, gathered, o.strict)
-    reading = _Reading(job, comm, ckpt, o.verify, [g[2] for g in gathered] if dedup else None)
+    reading = _Reading(job, comm, ckpt, o.verify, [g[2] for g in gathered] if dedup else None,
+                       set() if dedup else shared_files(comm.rank, [g[4] for g in gathered]))
     # Every rank learns whether every rank read sound bytes before anything is installed (and
     # a reader that failed never leaves its peers waiting for forwarded bytes).
     comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())
@@ -135,8 +137,10 @@ class _Reading:
     dedup_reads the ones it was assigned: `wants` holds every rank's wishes), their bytes landed
     and verified, then installed."""
 
-    def __init__(self, job: _LoadJob, comm: Comm, ckpt: Checkpointer, verify: bool, wants: list | None):
+    def __init__(self, job: _LoadJob, comm: Comm, ckpt: Checkpointer, verify: bool, wants: list | None,
+                 shared: set[int]):
         self.job, self.comm, self.ckpt, self.verify, self.wants = job, comm, ckpt, verify, wants
+        self.shared = shared
         self.forward, self.mine, self.landing = None, list(range(len(job.items))), None
 
     def land(self) -> None:
@@ -148,7 +152,7 @@ class _Reading:
                 self.mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), rank) == rank]
         self.landing = land_tensors(job.storage, job.manifest, [job.items[i] for i in self.mine], job.boxes,
                                     job.match.dests, self.ckpt._io, verify=self.verify, timer=job.timer,
-                                    budget=self.ckpt.landing_bytes, pool=self.ckpt._pool)
+                                    budget=self.ckpt.landing_bytes, pool=self.ckpt._pool, shared_files=self.shared)
 
     def discard(self) -> None:
         if self.landing is not None:
@@ -233,6 +237,30 @@ def _shared_manifest(job: _LoadJob, comm: Comm) -> bytes | None:
     where, raw = comm.broadcast_object((_where(job), raw), step=f"load from {job.path}, step metadata")
     # A rank given another path reads its own (the plan phase then refuses the differing paths).
     return raw if where == _where(job) else None
+
+
+def _files_read(job: _LoadJob) -> tuple[str, dict[int, int]]:
+    """(this machine, {data file: bytes this rank's items read from it}): see shared_files."""
+    read: dict[int, int] = {}
+    for it in job.items:
+        if it.saved.file >= 0:
+            read[it.saved.file] = read.get(it.saved.file, 0) + it.nbytes
+    return socket.gethostname(), read
+
+
+def shared_files(rank: int, files_read: list[tuple[str, dict[int, int]]]) -> set[int]:
+    """The files `rank` reads of which another rank on its machine reads at least half as many
+    bytes (files_read: each rank's `_files_read`). Those go through the page cache, whose one
+    device read serves every reader on the machine (DDP replicas: each rank reads the whole
+    model); the others are read from the device straight into the landing buffers
+    (engine.load.land_tensors). A few small tensors saved once and wanted by every rank (FSDP2's
+    replicated ones) do not make a rank's own file shared: the peer re-reads those bytes only."""
+    host, mine = files_read[rank]
+    out = set()
+    for f, n in mine.items():
+        if any(h == host and fs.get(f, 0) * 2 >= n for r, (h, fs) in enumerate(files_read) if r != rank):
+            out.add(f)
+    return out
 
 
 def _per_machine(path: str) -> bool:

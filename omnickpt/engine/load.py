@@ -3,9 +3,9 @@ anything is copied into the destination tensors."""
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Executor
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,16 @@ MAX_REQUEST = 64 << 20
 LANDING_BYTES = 4 << 30
 # Below this many bytes, checksumming on the calling thread beats handing chunks to the pool.
 _PARALLEL_BYTES = 8 << 20
+# Read request of a file read from the device (Storage.read_direct): small enough that one
+# request's checksums run while the next requests are read and that a rank's one large extent
+# spreads over the reader threads, large enough to keep the device's queue full (2 ranks x 4
+# threads of 16 MiB O_DIRECT requests read at dd's speed here; bench/cold_load_probe.py).
+DIRECT_REQUEST = 16 << 20
+# O_DIRECT moves whole pages between the device and memory aligned like the file offset: extents
+# of at least _CONGRUENT_MIN bytes land at an address congruent to their first file byte modulo
+# a page (the rest keep 64-byte alignment: the padding would cost more than it saves).
+_PAGE = 4096
+_CONGRUENT_MIN = 1 << 20
 
 
 def stored_grids(manifest: Manifest, items: Sequence[ReadItem]) -> Sequence[ReadItem]:
@@ -153,13 +163,23 @@ def _describe(items: Sequence[ReadItem], needs: Sequence[_Need]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _fetch(storage: Storage, manifest: Manifest, ext: _Extent, lo: int, hi: int, items: Sequence[ReadItem]) -> None:
+def _fetch(storage: Storage, manifest: Manifest, ext: _Extent, lo: int, hi: int, items: Sequence[ReadItem],
+           checks: list[tuple], direct: bool) -> None:
+    """Read file bytes [lo, hi) of `ext` into its buffer, then check the checksum chunks that lie
+    wholly inside them (`checks`), on this reader thread while the others still read: a cold
+    load's verification overlaps its reads instead of following them."""
     mv = memoryview(ext.buf.numpy())[lo - ext.start:hi - ext.start]
+    path = manifest.files[ext.file].path
     try:
-        storage.read_into(manifest.files[ext.file].path, lo, [mv])
+        if direct:
+            storage.read_direct(path, lo, mv)
+        else:
+            storage.read_into(path, lo, [mv])
     except CorruptCheckpointError as e:
         within = [n for n in ext.needs if n.land_lo < hi and lo < n.land_hi]
         raise CorruptCheckpointError(f"{e} (reading {_describe(items, within)})") from None
+    if checks:
+        _check_chunks(storage, manifest, checks, items, None)
 
 
 def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items: Sequence[ReadItem], verify: bool,
@@ -283,23 +303,21 @@ def _chunks_to_check(ext: _Extent, items: Sequence[ReadItem]) -> tuple[list[int]
             [needs[w] for w in who_l])
 
 
-def _verify(storage: Storage, manifest: Manifest, batch: Sequence[_Extent], items: Sequence[ReadItem],
-            executor: Executor | None) -> None:
-    """Check every chunk the batch's items read from; the chunks of all extents are one list of
-    tasks, so many mid-sized boxes (a resharded load) spread over the threads too."""
-    checks, views, wants = [], [], []
-    for ext in batch:
-        if ext.sums is not None:
-            continue   # compressed: verified before decompression (_fetch_compressed)
-        data, start = memoryview(ext.buf.numpy()), ext.start
-        firsts, ends, crcs, needs = _chunks_to_check(ext, items)
-        checks += [(ext, a, b, n) for a, b, n in zip(firsts, ends, needs)]
-        views += [data[a - start:b - start] for a, b in zip(firsts, ends)]
-        wants += crcs
+def _check_chunks(storage: Storage, manifest: Manifest, checks: Sequence[tuple], items: Sequence[ReadItem],
+                  executor: Executor | None) -> None:
+    """Check each landed chunk (extent, first byte, end byte, expected CRC, a need that uses it);
+    one list of tasks, so many mid-sized boxes (a resharded load) spread over the threads too."""
+    data: dict[int, memoryview] = {}
+    views = []
+    for ext, a, b, _, _ in checks:
+        mv = data.get(id(ext))
+        if mv is None:
+            mv = data[id(ext)] = memoryview(ext.buf.numpy())
+        views.append(mv[a - ext.start:b - ext.start])
     got = checksums(views, executor)
-    if got == wants:
+    if got == [c[3] for c in checks]:
         return
-    for (ext, a, b, n), want, crc in zip(checks, wants, got):
+    for (ext, a, b, want, n), crc in zip(checks, got):
         if crc != want:
             it = items[n.index]
             raise CorruptCheckpointError(
@@ -307,6 +325,32 @@ def _verify(storage: Storage, manifest: Manifest, batch: Sequence[_Extent], item
                 f"tensor {it.name!r} box offsets={list(it.saved.offsets)} lengths={list(it.saved.lengths)} "
                 f"(stored {want:#010x}, read {crc:#010x}): the data file is corrupt; nothing was loaded from it. "
                 "Restore the file or load an earlier checkpoint")
+
+
+def _assign_checks(requests: list[tuple], items: Sequence[ReadItem], verify: bool) -> tuple[list[list], list]:
+    """The checksum chunks of the plain extents' `requests` (extent, lo, hi): per request the
+    chunks that lie wholly inside it (checked by its reader as soon as it lands), and the few
+    that straddle two requests (checked once all have landed)."""
+    per_request: list[list] = [[] for _ in requests]
+    straddling: list = []
+    if not verify:
+        return per_request, straddling
+    by_ext: dict[int, list[int]] = {}
+    for r, (ext, _, _) in enumerate(requests):
+        by_ext.setdefault(id(ext), []).append(r)
+    for rs in by_ext.values():
+        ext = requests[rs[0]][0]
+        firsts, ends, crcs, needs = _chunks_to_check(ext, items)
+        if not firsts:
+            continue
+        starts = np.array([requests[r][1] for r in rs], dtype=np.int64)
+        stops = np.array([requests[r][2] for r in rs], dtype=np.int64)
+        a, b = np.array(firsts, dtype=np.int64), np.array(ends, dtype=np.int64)
+        k = np.maximum(np.searchsorted(starts, a, side="right") - 1, 0)
+        inside = (starts[k] <= a) & (b <= stops[k])
+        for j, (r, whole) in enumerate(zip(k.tolist(), inside.tolist())):
+            (per_request[rs[r]] if whole else straddling).append((ext, firsts[j], ends[j], crcs[j], needs[j]))
+    return per_request, straddling
 
 
 def _source(ext: _Extent, n: _Need, item: ReadItem, dtype: torch.dtype, typed: dict) -> torch.Tensor:
@@ -448,36 +492,56 @@ def _buffers(pool: StagingPool | None):
 
 
 def _batch_layout(batch: list[_Extent]) -> tuple[list[int], int]:
-    """Each extent's offset in the batch's one buffer and the buffer's size: extents start at
-    64-byte boundaries."""
+    """Each extent's offset in the batch's one (page-aligned) buffer and the buffer's size:
+    extents start at 64-byte boundaries, the large ones at the address congruent to their first
+    file byte modulo a page (see _CONGRUENT_MIN)."""
     offsets, total = [], 0
     for ext in batch:
+        if ext.sums is None and ext.end - ext.start >= _CONGRUENT_MIN and ext.start % 64 == 0:
+            total += (ext.start - total) % _PAGE
         offsets.append(total)
         total = (total + ext.end - ext.start + 63) // 64 * 64
     return offsets, total
 
 
-def _carve(batch: list[_Extent], buf: torch.Tensor, offsets: list[int]) -> tuple[list[tuple], list[_Extent]]:
+def _carve(batch: list[_Extent], buf: torch.Tensor, offsets: list[int], request_of) -> tuple[list[tuple], list[_Extent]]:
     """Give each extent its slice of `buf`; returns the plain extents' (extent, start, end) requests of
-    at most MAX_REQUEST bytes and the compressed extents (read chunk by chunk)."""
+    at most `request_of(extent)` bytes, cut at page boundaries of the file (so that each request
+    but an extent's first and last is whole pages), and the compressed extents (read chunk by chunk)."""
     requests, packed = [], []
     for ext, off in zip(batch, offsets):
         ext.buf = buf[off:off + ext.end - ext.start]
         if ext.sums is not None:
             packed.append(ext)
             continue
-        requests += [(ext, a, min(a + MAX_REQUEST, ext.end)) for a in range(ext.start, ext.end, MAX_REQUEST)]
+        size, a = request_of(ext), ext.start
+        while a < ext.end:
+            b = min(ext.end, (a + size) // _PAGE * _PAGE)
+            b = b if b > a else min(ext.end, a + size)
+            requests.append((ext, a, b))
+            a = b
     return requests, packed
 
 
-def _fetch_plain(storage: Storage, manifest: Manifest, requests: list[tuple], items: Sequence[ReadItem],
-                 executor: Executor | None) -> None:
-    if executor is None or len(requests) <= 1:
-        for r in requests:
-            _fetch(storage, manifest, *r, items)
-    else:
-        for f in [executor.submit(_fetch, storage, manifest, *r, items) for r in requests]:
-            f.result()
+def _fetch_plain(storage: Storage, manifest: Manifest, requests: list[tuple], checks: list[list],
+                 items: Sequence[ReadItem], direct_files, executor: Executor | None) -> None:
+    """Read (and check) every request. On a failure the requests not started are cancelled and
+    the running ones awaited before the error is raised: none may still be writing into the
+    landing buffer when the caller gives it back."""
+    args = [(storage, manifest, ext, lo, hi, items, c, ext.file in direct_files)
+            for (ext, lo, hi), c in zip(requests, checks)]
+    if executor is None or len(args) <= 1:
+        for a in args:
+            _fetch(*a)
+        return
+    futures = [executor.submit(_fetch, *a) for a in args]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        f.cancel()
+    wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
 
 
 def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], items: Sequence[ReadItem],
@@ -499,31 +563,45 @@ def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], i
 @gc_paused()
 def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer,
-                 budget: int = LANDING_BYTES, pool: StagingPool | None = None) -> Landing:
+                 budget: int = LANDING_BYTES, pool: StagingPool | None = None,
+                 shared_files: Collection[int] = ()) -> Landing:
     """Read every item's bytes into landing buffers and verify every checksum chunk they touch
     (whole chunks are read, so a partial read of a box is verified too). Nothing is written into
     `dests` until `Landing.install()`, so a corrupt read leaves the target untouched, when this
     rank's bytes fit in `budget`; past it, batches of `budget` bytes are installed as they verify
     (a corrupt byte is still never installed) and the last one waits for install(). Landing
-    memory comes from `pool` when given (see `_buffers`)."""
+    memory comes from `pool` when given (see `_buffers`).
+
+    Where the storage reads from a device (`read_direct`: local files), files are read from the
+    device straight into the landing buffers, except `shared_files` (indices into
+    manifest.files): other processes on this machine read those during this load too, and the
+    page cache's one device read serves them all."""
     items = stored_grids(manifest, items)
     acquire, release = _buffers(pool)
     held: list[torch.Tensor] = []   # the batch buffer in use, at most one
     needs, zeros, direct = _sort_needs(items, dest_boxes, dests, verify)
     batches = _batches(_extents(needs), budget)
+    direct_files = set() if getattr(storage, "read_direct", None) is None else (
+        {e.file for b in batches for e in b} - set(shared_files))
+
+    def request_of(ext: _Extent) -> int:
+        return DIRECT_REQUEST if ext.file in direct_files else MAX_REQUEST
 
     def read(batch: list[_Extent]) -> None:
         with timer.phase("read"):
             offsets, total = _batch_layout(batch)
-            buf = acquire(total)
-            held.append(buf)
-            requests, packed = _carve(batch, buf, offsets)
-            _fetch_plain(storage, manifest, requests, items, executor)
+            raw = acquire(total + _PAGE)   # a pool's buffers are page-aligned; fresh memory may not be
+            held.append(raw)
+            shift = -raw.data_ptr() % _PAGE
+            requests, packed = _carve(batch, raw[shift:shift + total], offsets, request_of)
+            checks, straddling = _assign_checks(requests, items, verify)
+            # Each request's reader checks the chunks inside it as soon as it lands.
+            _fetch_plain(storage, manifest, requests, checks, items, direct_files, executor)
             read_bytes = _fetch_packed(storage, manifest, packed, items, verify, executor)
             timer.count("read", read_bytes + sum(ext.end - ext.start for ext in batch if ext.sums is None))
-        if verify:
+        if straddling:
             with timer.phase("verify"):
-                _verify(storage, manifest, batch, items, executor)
+                _check_chunks(storage, manifest, straddling, items, executor)
 
     places = _Dests(dest_boxes, dests)
 

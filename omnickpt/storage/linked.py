@@ -168,6 +168,20 @@ class LinkedStorage:
                 raise
             raise self._missing(rel, e) from None
 
+    def read_direct(self, rel: str, offset: int, buf: memoryview) -> None:
+        """See LocalStorage.read_direct; read_into where the file's storage has no such read."""
+        st, r = self._route(rel)
+        direct = getattr(st, "read_direct", None)
+        if direct is None:
+            self.read_into(rel, offset, [buf])
+            return
+        try:
+            direct(r, offset, buf)
+        except (FileNotFoundError, CorruptCheckpointError) as e:
+            if st is self._storage or "missing" not in str(e) and not isinstance(e, FileNotFoundError):
+                raise
+            raise self._missing(rel, e) from None
+
     def read_bytes(self, rel: str) -> bytes:
         st, r = self._route(rel)
         return st.read_bytes(r)

@@ -78,6 +78,10 @@ class ShmStorage(LocalStorage):
         # RAM is not durable whatever we do; an fsync on tmpfs only costs a syscall per file.
         return super().write_file(rel, size, segments, executor, durable=False)
 
+    def read_direct(self, rel: str, offset: int, buf: memoryview) -> None:
+        # Memory has no device behind it to read from: every byte is "cached".
+        self.read_into(rel, offset, [buf])
+
     def _failure(self, op: str, path: str, e: OSError, needed: int | None = None) -> StorageError:
         hint = ""
         if e.errno == errno.ENOSPC:   # the advice differs: this "device" is the host's shared memory
