@@ -22,9 +22,12 @@ would: every step that a save affected against the baseline step time.
 
 "auto" picks the smallest k with overhead(k) <= max_overhead and k >= (steps in flight) + SETTLE + 1
 (one quiet step at least after each save, to keep the baseline fresh), capped by max_interval.
-Costs and flights are medians over the recent saves, the baseline over the recent quiet steps, so
-one slow step or save does not swing the interval; on a noisy machine a single save's cost can come
-out negative, and is kept so that the median is not biased upwards.
+The cost is the mean over the recent saves: training loses the sum of the saves' costs, which a
+stopwatch sees, and saves' costs are skewed (most cost little, the one that meets a busy disk or an
+optimizer step much more), so a median under-reported them (mlp/ddp in bench/cadence.py: +4.9%
+reported, +8.9% measured outside). Flights and the baseline are medians (of the recent saves and
+quiet steps), so one slow step does not swing the interval; on a noisy machine a single save's cost
+can come out negative, and is kept so that the mean is not biased upwards.
 
 `choose_interval` is the pure rule; `Cadence` keeps the measurements and answers `due(step)`;
 neither touches storage or processes. `CadencePolicy` is the manager's save decision built on them:
@@ -99,7 +102,7 @@ class CadenceReport:
     max_overhead: float | None
     steps_in_flight: float | None = None   # steps from a save's call until durable, per save (median)
     failures_in_a_row: int = 0              # failed saves since the last one that succeeded (backoff)
-    cost_s: float | None = None             # per save: the affected steps' time less as many baseline steps
+    cost_s: float | None = None             # per save (mean): the affected steps' time less as many baseline steps
     steps_affected: float | None = None     # per save (median): in flight + SETTLE
     quiet_steps: int = 0                    # quiet steps in the baseline's window
     profiling: bool = False                 # "auto" still measuring its baseline (no interval chosen yet)
@@ -217,7 +220,8 @@ class Cadence:
         # each save against the quiet steps just before it (the machine's speed drifts: a baseline
         # from other minutes made single costs swing by a step's time); the first, which had none
         # before it, against the baseline now
-        cost = med(f.seconds - (f.base if f.base is not None else base) * f.steps for f in done)
+        # the mean: training loses the sum of the costs (see the module's docstring)
+        cost = statistics.fmean(f.seconds - (f.base if f.base is not None else base) * f.steps for f in done)
         stall = med(f.stall for f in done)
         return {"step": base, "stall": stall, "background": med(f.background for f in done),
                 "cost": cost, "interference": cost - stall, "flight": med(f.flight_steps for f in done),

@@ -165,7 +165,7 @@ def test_data_files_of_the_test_state_are_not_whole_pages(tmp_path):
 @pytest.mark.parametrize("landing", [1 << 20, 4 << 30])
 @pytest.mark.parametrize("cold", [True, False])
 def test_loads_in_many_requests_and_batches_equal_the_saved_state(tmp_path, monkeypatch, request_bytes, landing,
-                                                                  cold):
+                                                                  cold, as_if_not_alone):
     """Requests smaller than a checksum chunk (every chunk straddles two: checked after all landed),
     a few chunks each, and large; one batch or many (a budget below one tensor)."""
     monkeypatch.setattr(engine_load, "DIRECT_REQUEST", request_bytes)
@@ -180,7 +180,14 @@ def test_loads_in_many_requests_and_batches_equal_the_saved_state(tmp_path, monk
                            v.view(torch.uint8) if v.dtype == torch.bfloat16 else v), k
 
 
-def test_the_direct_read_is_used_for_local_files(tmp_path, monkeypatch):
+@pytest.fixture
+def as_if_not_alone(monkeypatch):
+    """A one-process load reads through the page cache (loading.shared_files); the tests of the
+    direct path load as a rank would whose machine has other ranks reading their own files."""
+    monkeypatch.setattr(omnickpt.loading, "shared_files", lambda rank, files_read: set())
+
+
+def _counting_direct_reads(monkeypatch) -> list:
     calls = []
     real = LocalStorage.read_direct
 
@@ -189,12 +196,57 @@ def test_the_direct_read_is_used_for_local_files(tmp_path, monkeypatch):
         return real(self, rel, offset, buf)
 
     monkeypatch.setattr(LocalStorage, "read_direct", counting)
+    return calls
+
+
+def test_the_direct_read_is_used_for_local_files(tmp_path, monkeypatch, as_if_not_alone):
+    calls = _counting_direct_reads(monkeypatch)
     path, state = saved(tmp_path)
     target = perturbed(state)
     evict(path)
     omnickpt.load(path, target)
     assert torch.equal(target["big"], state["big"])
     assert sum(n for _, _, n in calls) >= state["big"].numel() * 4
+
+
+def test_a_process_loading_alone_reads_through_the_page_cache(tmp_path, monkeypatch):
+    calls = _counting_direct_reads(monkeypatch)
+    path, state = saved(tmp_path)
+    target = perturbed(state)
+    evict(path)
+    omnickpt.load(path, target)
+    assert torch.equal(target["big"], state["big"]) and not calls
+
+
+def _own_files_side_by_side(rank, world, path):
+    """Each of 2 ranks saves and loads its own half of a tensor (FSDP-like): both read their own
+    file at once, from the device."""
+    from omnickpt import ShardSpec
+    from omnickpt.storage.local import LocalStorage as Local
+    full = torch.arange(2 * 1024 * 1024, dtype=torch.float32).reshape(2048, 1024)
+    half = full[rank * 1024:(rank + 1) * 1024].clone()
+    omnickpt.save(path, {"w": ShardSpec(half, (rank * 1024, 0), tuple(full.shape), name="w")}).wait()
+    evict(path)
+    torch.distributed.barrier()
+    calls, real = [], Local.read_direct
+
+    def counting(self, rel, offset, buf):
+        calls.append(len(buf))
+        return real(self, rel, offset, buf)
+
+    Local.read_direct = counting
+    try:
+        dest = torch.zeros_like(half)
+        omnickpt.load(path, {"w": ShardSpec(dest, (rank * 1024, 0), tuple(full.shape), name="w")})
+    finally:
+        Local.read_direct = real
+    return torch.equal(dest, half), sum(calls)
+
+
+def test_ranks_reading_their_own_files_side_by_side_read_from_the_device(tmp_path):
+    from dist import run_ranks
+    for ok, direct in run_ranks(2, _own_files_side_by_side, str(tmp_path / "ckpt")):
+        assert ok and direct >= 1024 * 1024 * 4
 
 
 def flip(path: str, at: float) -> int:
@@ -212,7 +264,8 @@ def flip(path: str, at: float) -> int:
 @pytest.mark.parametrize("request_bytes", [256 << 10, 3 << 20])
 @pytest.mark.parametrize("at", [0.02, 0.55, 0.97])
 def test_a_corrupt_byte_in_any_request_fails_the_load_and_leaves_the_target_untouched(tmp_path, monkeypatch,
-                                                                                     request_bytes, at):
+                                                                                     request_bytes, at,
+                                                                                     as_if_not_alone):
     monkeypatch.setattr(engine_load, "DIRECT_REQUEST", request_bytes)
     path, state = saved(tmp_path)
     flip(path, at)
@@ -223,7 +276,7 @@ def test_a_corrupt_byte_in_any_request_fails_the_load_and_leaves_the_target_unto
     assert all(not v.any() for v in target.values())   # all-or-nothing: nothing was installed
 
 
-def test_a_corrupt_byte_in_a_later_batch_is_never_installed(tmp_path, monkeypatch):
+def test_a_corrupt_byte_in_a_later_batch_is_never_installed(tmp_path, monkeypatch, as_if_not_alone):
     """Past the landing budget earlier batches are installed, but never the corrupt one."""
     monkeypatch.setattr(engine_load, "DIRECT_REQUEST", 1 << 20)
     path, state = saved(tmp_path)
@@ -275,7 +328,7 @@ def test_shared_files_are_those_another_rank_on_the_machine_reads_much_of():
              ("c", {5: 1000, 6: 10}), ("c", {5: 10, 6: 1000})]
     assert shared_files(0, files) == {1}
     assert shared_files(1, files) == {1}
-    assert shared_files(2, files) == set()     # alone on its machine
+    assert shared_files(2, files) == {0, 2}    # alone on its machine: all through the cache
     assert shared_files(3, files) == set()
     # FSDP2: each rank reads its own file, and a few replicated bytes of the other's
     assert shared_files(4, files) == {6}
