@@ -3,7 +3,7 @@ anything is copied into the destination tensors."""
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -21,7 +21,7 @@ from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem
 from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan, item_key
 from omnickpt.storage import Storage
-from omnickpt.storage.base import require_length
+from omnickpt.storage.base import require_length, run_all
 
 # Ranges closer than this land in one buffer and are read in one request (the gap is read too):
 # fewer syscalls / HTTP requests for a little extra data.
@@ -534,14 +534,7 @@ def _fetch_plain(storage: Storage, manifest: Manifest, requests: list[tuple], ch
         for a in args:
             _fetch(*a)
         return
-    futures = [executor.submit(_fetch, *a) for a in args]
-    wait(futures, return_when=FIRST_EXCEPTION)
-    for f in futures:
-        f.cancel()
-    wait(futures)
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()
+    run_all(executor, _fetch, args)
 
 
 def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], items: Sequence[ReadItem],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
-from concurrent.futures import Executor
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import NamedTuple, Protocol, Sequence
 
 from omnickpt.errors import CorruptCheckpointError, StorageError
@@ -64,6 +64,20 @@ class Storage(Protocol):
 
 
 # Helpers for backends that upload or stream a file assembled from segments.
+def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> None:
+    """fn(*args) for every args of `calls` on `executor`. On the first failure the calls not started
+    are cancelled and the running ones awaited before its error is raised: none may still be
+    writing into a buffer or a file descriptor the caller frees when this returns."""
+    futures = [executor.submit(fn, *args) for args in calls]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        f.cancel()
+    wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+
+
 def bytes_view(mv) -> memoryview:
     """A flat byte view of any buffer (tensor views from numpy may be typed or shaped)."""
     mv = memoryview(mv)

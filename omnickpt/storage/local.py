@@ -27,13 +27,13 @@ import stat
 import sys
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from concurrent.futures import Executor
 from typing import Sequence
 
 import numpy as np
 
 from omnickpt.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
-from omnickpt.storage.base import Segment, bytes_view, os_failure
+from omnickpt.storage.base import Segment, bytes_view, os_failure, run_all
 
 # Large sequential writes: one task per 64 MiB keeps several workers busy without tiny syscalls.
 _WRITE_CHUNK = 64 << 20
@@ -138,7 +138,9 @@ class LocalStorage:
                 for off, mv in pieces:
                     put(off, mv)
             else:
-                _pwrite_parallel(executor, put, pieces)
+                # Every write must have stopped before fd is closed: its number could be reused by
+                # another open at once, and a late pwrite would land in that file.
+                run_all(executor, put, pieces)
             if durable:
                 t0 = time.perf_counter()
                 os.fsync(fd)    # also flushes the device's cache for the O_DIRECT writes
@@ -587,19 +589,6 @@ def _pwrite_direct(dfd: int, mv: memoryview, off: int) -> int:
         if e.errno != errno.EINVAL:
             raise
     return done
-
-
-def _pwrite_parallel(executor: Executor, put, pieces: list[tuple[int, memoryview]]) -> None:
-    futures = [executor.submit(put, off, mv) for off, mv in pieces]
-    wait(futures, return_when=FIRST_EXCEPTION)
-    for f in futures:
-        f.cancel()
-    # Every write must have stopped before the caller closes fd: its number could be reused by
-    # another open at once, and a late pwrite would land in that file.
-    wait(futures)
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()
 
 
 def _rmtree(path: str, failure) -> None:
