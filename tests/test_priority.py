@@ -54,3 +54,38 @@ def test_background_nice_none_leaves_them_at_the_training_threads_priority(tmp_p
     base = thread_priority(threading.get_native_id())
     seen = _save_and_look(tmp_path / "same", background_nice=None)
     assert all(p == base for p in seen.values()), seen
+
+
+def test_an_async_save_in_flight_leaves_the_garbage_collector_to_the_program(tmp_path, monkeypatch):
+    # The collector is the whole process's: a save persisting in the background must neither turn
+    # it off for the training thread while it is in flight nor turn it back on when it ends after
+    # the program turned it off meanwhile.
+    import gc
+    import threading
+
+    import torch
+
+    import omnickpt
+    from omnickpt.storage.local import LocalStorage
+    gate, entered = threading.Event(), threading.Event()
+    real = LocalStorage.write_file
+
+    def held(self, *args, **kwargs):
+        entered.set()
+        gate.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "write_file", held)
+    assert gc.isenabled()
+    try:
+        with omnickpt.Checkpointer() as ckpt:
+            handle = ckpt.save(str(tmp_path / "ck"), {"w": torch.randn(1000)}, async_save=True)
+            assert entered.wait(30)
+            assert gc.isenabled()   # training goes on with its collections
+            gc.disable()            # the program's own choice, while the save is in flight
+            gate.set()
+            handle.wait()
+            assert not gc.isenabled()
+    finally:
+        gate.set()
+        gc.enable()

@@ -9,7 +9,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from omnickpt.engine.staging import checksums, gc_paused
+from omnickpt.engine.staging import checksums
 from omnickpt.engine.writers import Encoding, Incremental, RankFile, compressed_file, incremental_file, plain_file
 from omnickpt.format import CHUNK_BYTES, DATA_DIR, checksum
 from omnickpt.monitor import PhaseTimer
@@ -54,14 +54,19 @@ class RankResult:
 _AS_THEY_ARE = Encoding()   # the writes' bytes as they are
 
 
-@gc_paused()
 def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor: Executor | None, *,
             durable: bool, timer: PhaseTimer, encoding: Encoding = _AS_THEY_ARE,
             incremental: Incremental | None = None) -> RankResult:
     """Write this rank's data file and checksum what it wrote. With `encoding.compression`, each
     CHUNK_BYTES chunk of each write is compressed on its own and the file laid out anew
     (RankResult.offsets, .stored); the checksums are those of the stored bytes. With
-    `incremental`, only the blocks that changed since its base are written (RankResult.pieces)."""
+    `incremental`, only the blocks that changed since its base are written (RankResult.pieces).
+
+    Not under gc_paused: an async save persists on a background thread, and the collector is the
+    whole process's. Paused for a save's flight, it left training without collections while a save
+    was in flight and with the deferred ones after (every="auto" measured steps during a flight as
+    faster than quiet ones: negative costs), and a program's own gc.disable() in that time was undone
+    when the save ended. A sync save persists inside Checkpointer.save, which pauses it."""
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
     if incremental is not None:
