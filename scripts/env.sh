@@ -41,6 +41,13 @@ if [[ ",$extras," == *",dev,"* ]]; then
   # machine); its declared dependencies are not needed for what omnickpt touches.
   say "installing megatron-core 0.12.2 (without its dependencies: the Megatron tests need only the package)"
   pip_install --no-deps "megatron-core==0.12.2"
+  # DeepSpeed on CPU ranks compiles its shared-memory collective op (g++, about a minute here) the first
+  # time a process initialises its communication; built now, once per machine, the tests load it.
+  if command -v g++ >/dev/null && .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
+    say "building DeepSpeed's CPU communication op (once per machine; seconds when already built)"
+    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+      >/dev/null || say "could not build DeepSpeed's CPU op: the DeepSpeed tests will build it"
+  fi
 fi
 .venv/bin/python -c "import torch, omnickpt.api" || { say "omnickpt did not install into .venv"; exit 1; }
 say "ready: .venv (the omnickpt command is .venv/bin/omnickpt, or on PATH after: source .venv/bin/activate)"
