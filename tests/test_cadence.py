@@ -155,6 +155,55 @@ def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
     assert c2.report().cost_s < 0 and c2.interval() == math.ceil(0.2 / (0.05 * 1.0))
 
 
+def test_a_save_seen_only_across_skipped_calls_does_not_drag_the_cost():
+    """Saves cost 0.3 s, measured step by step. Then one save stays open while save() is not called
+    for 30 steps that run 0.1 s faster than the baseline (a loop that paused its calls, like
+    bench/cadence.py's rounds without saves): as one call covering 30 steps it would cost 0.3 - 3 s
+    and pull the mean below zero. It is not used while saves measured step by step exist; a loop
+    that never calls save() at every step still gets an interval from its coarse measurements."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    for _ in range(4):
+        t = _feed(c, range(step + 1, step + 1 + _LOCAL), t, 1.0)
+        step += _LOCAL
+        c.started(step, stall_s=0.0)
+        step += 1
+        t = _feed(c, [step], t, 1.3)
+        c.durable(background_s=1.0)
+        step += SETTLE
+        t = _feed(c, [step], t, 1.0)
+    fine = c.report().cost_s
+    assert fine == pytest.approx(0.3)
+    t = _feed(c, range(step + 1, step + 1 + _LOCAL), t, 1.0)
+    step += _LOCAL
+    c.started(step, stall_s=0.0)
+    step += 30
+    t += 30 * 0.9 + 0.3
+    c.observe_call(step, t)             # one call for 30 steps
+    c.durable(background_s=t)
+    t = _feed(c, [step + 1], t, 1.0)
+    t = _feed(c, [step + 2], t, 1.0)
+    assert len(c._saves) == 5
+    assert c.report().cost_s == pytest.approx(fine)
+    assert c.interval() == math.ceil(0.3 / (0.05 * 1.0))
+    only = Cadence("auto", max_overhead=0.05)       # save() every other step: every save is coarse
+    t, step = 0.0, 0
+    only.observe_call(step, t)
+    for _ in range(3):
+        for _ in range(_LOCAL):
+            step += 2
+            t += 2.0
+            only.observe_call(step, t)
+        only.started(step, stall_s=0.0)
+        step, t = step + 2, t + 2.4
+        only.observe_call(step, t)
+        only.durable(background_s=1.0)
+        step, t = step + 2, t + 2.0
+        only.observe_call(step, t)
+    assert only.report().cost_s == pytest.approx(0.4) and only.interval() == math.ceil(0.4 / (0.05 * 1.0))
+
+
 def test_continuous_saves_whenever_nothing_is_in_flight_and_fixed_every_n():
     c = Cadence("continuous")
     assert c.due(7, in_flight=False) and not c.due(8, in_flight=True)
