@@ -25,7 +25,7 @@ def stored_region(item: "ReadItem") -> tuple[Box, tuple[int, ...]]:
     return Box(rel, item.region.lengths), sb.lengths
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReadItem:
     """Copy the part `region` (global coordinates) of saved box `saved` into wanted box `dest`."""
     name: str
