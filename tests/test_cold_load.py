@@ -184,7 +184,7 @@ def test_loads_in_many_requests_and_batches_equal_the_saved_state(tmp_path, monk
 def as_if_not_alone(monkeypatch):
     """A one-process load reads through the page cache (loading.shared_files); the tests of the
     direct path load as a rank would whose machine has other ranks reading their own files."""
-    monkeypatch.setattr(omnickpt.loading, "shared_files", lambda rank, files_read: set())
+    monkeypatch.setattr(omnickpt.loading, "shared_files", lambda rank, files_read, nfiles: set())
 
 
 def _counting_direct_reads(monkeypatch) -> list:
@@ -326,10 +326,12 @@ def test_every_checksum_chunk_is_checked_once_by_the_request_holding_it_or_after
 def test_shared_files_are_those_another_rank_on_the_machine_reads_much_of():
     files = [("a", {0: 100, 1: 100}), ("a", {1: 100, 2: 100}), ("b", {0: 100, 2: 100}), ("a", {3: 100}),
              ("c", {5: 1000, 6: 10}), ("c", {5: 10, 6: 1000})]
-    assert shared_files(0, files) == {1}
-    assert shared_files(1, files) == {1}
-    assert shared_files(2, files) == {0, 2}    # alone on its machine: all through the cache
-    assert shared_files(3, files) == set()
+    assert shared_files(0, files, 7) == {1}
+    assert shared_files(1, files, 7) == {1}
+    assert shared_files(2, files, 7) == {0, 2}    # alone on its machine: all through the cache
+    assert shared_files(3, files, 7) == set()
     # FSDP2: each rank reads its own file, and a few replicated bytes of the other's
-    assert shared_files(4, files) == {6}
-    assert shared_files(5, files) == {5}
+    assert shared_files(4, files, 7) == {6}
+    assert shared_files(5, files, 7) == {5}
+    # a process alone in its group tallies nothing and reads every file of the checkpoint through the cache
+    assert shared_files(0, [None], 3) == {0, 1, 2}

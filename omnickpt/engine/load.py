@@ -651,11 +651,12 @@ def _sort_needs(items: Sequence[ReadItem], dest_boxes: Sequence[Box], dests: Seq
     needs: list[tuple] = []
     zeros: list[int] = []
     direct: list[tuple[int, _Need, torch.Tensor]] = []
+    itemsize = [d.element_size() for d in dests]
     for i, it in enumerate(items):
         if it.saved.file == ZERO_FILL:
             zeros.append(i)
             continue
-        need = _need(i, it, dests[it.dest].element_size(), verify, strides_of)
+        need = _need(i, it, itemsize[it.dest], verify, strides_of)
         sums = it.saved.sums
         packed = sums if sums is not None and sums.stored is not None else None
         if (not verify or sums is None) and packed is None:
