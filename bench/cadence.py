@@ -124,6 +124,9 @@ def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pa
             train_step(model, module, opt, gen)
             step, warm = step + 1, warm + 1
             saves += mgr.save(step, state, async_save=True) is not None
+        # the warm-up ends right after a save started: the first round without saves must not run
+        # beside its flight (its steps are the baseline the first pair is measured against)
+        mgr.wait()
         result["warmup_steps"] = warm
 
         def n_auto() -> int:
