@@ -64,9 +64,8 @@ def persist(storage: Storage, snap: Snapshot, rank: int, save_id: str, executor:
 
     Not under gc_paused: an async save persists on a background thread, and the collector is the
     whole process's. Paused for a save's flight, it left training without collections while a save
-    was in flight and with the deferred ones after (every="auto" measured steps during a flight as
-    faster than quiet ones: negative costs), and a program's own gc.disable() in that time was undone
-    when the save ended. A sync save persists inside Checkpointer.save, which pauses it."""
+    was in flight and with the deferred ones after, and a program's own gc.disable() in that time was
+    undone when the save ended. A sync save persists inside Checkpointer.save, which pauses it."""
     if snap.cuda_event is not None:
         snap.cuda_event.synchronize()
     if incremental is not None:

@@ -63,7 +63,6 @@ class Storage(Protocol):
         """A human-readable location for error messages."""
 
 
-# Helpers for backends that upload or stream a file assembled from segments.
 def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> None:
     """fn(*args) for every args of `calls` on `executor`. On the first failure the calls not started
     are cancelled and the running ones awaited before its error is raised: none may still be
@@ -78,6 +77,7 @@ def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> None:
             raise f.exception()
 
 
+# Helpers for backends that upload or stream a file assembled from segments.
 def bytes_view(mv) -> memoryview:
     """A flat byte view of any buffer (tensor views from numpy may be typed or shaped)."""
     mv = memoryview(mv)
