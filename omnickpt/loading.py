@@ -21,7 +21,7 @@ from omnickpt.format import MANIFEST_NAME, Manifest
 from omnickpt.formats import NAMES, bind_keys, read_manifest
 from omnickpt.layout import Box
 from omnickpt.monitor import PhaseTimer, summarize
-from omnickpt.planner import plan_reads
+from omnickpt.planner import ReadPlan, plan_reads
 from omnickpt.planner.load_plan import assign_readers, item_key
 from omnickpt.planner.match import LoadMatch, Selection, match_targets
 from omnickpt.saving import _same_path
@@ -129,7 +129,7 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
     report["path"] = job.storage.describe()
     if job.manifest is not None and job.manifest.quantized:
         # Lossy: the loaded values of these tensors differ from the saved ones by up to max_error.
-        loaded = {it.name for it in job.items}
+        loaded = job.items.names() if isinstance(job.items, ReadPlan) else {it.name for it in job.items}
         report["quantized"] = {n: q for n, q in job.manifest.quantized.items() if n in loaded}
     return LoadResult(differences, report)
 
@@ -152,7 +152,10 @@ class _Reading:
                 self.forward = assign_readers(self.wants)
                 readers = {key: reader for key, reader, _ in self.forward}
                 self.mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), rank) == rank]
-        self.landing = land_tensors(job.storage, job.manifest, [job.items[i] for i in self.mine], job.boxes,
+        items = job.items
+        if len(self.mine) < len(items):
+            items = items.take(self.mine) if isinstance(items, ReadPlan) else [items[i] for i in self.mine]
+        self.landing = land_tensors(job.storage, job.manifest, items, job.boxes,
                                     job.match.dests, self.ckpt._io, verify=self.verify, timer=job.timer,
                                     budget=self.ckpt.landing_bytes, pool=self.ckpt._pool, shared_files=self.shared)
 
@@ -243,6 +246,8 @@ def _shared_manifest(job: _LoadJob, comm: Comm) -> bytes | None:
 
 def _files_read(job: _LoadJob) -> tuple[str, dict[int, int]]:
     """(this machine, {data file: bytes this rank's items read from it}): see shared_files."""
+    if isinstance(job.items, ReadPlan):
+        return socket.gethostname(), job.items.bytes_per_file()
     read: dict[int, int] = {}
     for it in job.items:
         if it.saved.file >= 0:

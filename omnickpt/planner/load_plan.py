@@ -1,6 +1,7 @@
 """Load planning: intersect the boxes a rank wants with the boxes the checkpoint holds."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,23 +51,216 @@ def _numel(lengths) -> int:
     return n
 
 
+@dataclass(frozen=True, eq=False)
+class ReadColumns:
+    """Read items as columns, row i being one item: what a load of 10^5 boxes plans, reads and
+    installs without a ReadItem, SavedBox, Sums and Box per item (~2 us each to build). Only plain
+    stored boxes with their own checksum grid (uncompressed) are rows. Rows of fewer dimensions
+    than `offsets.shape[1]` are padded in front with offset 0, length 1 (the row-major arithmetic
+    of the real dimensions is unchanged); `ndim` keeps the real count."""
+    names: list[str]             # tensor names; `tensor` indexes them
+    tensor: np.ndarray           # [n]
+    dest: np.ndarray             # [n] index into the wanted list
+    file: np.ndarray             # [n] the saved box: data file, first byte, bytes
+    offset: np.ndarray
+    nbytes: np.ndarray
+    saved_offsets: np.ndarray    # [n, D] the saved box
+    saved_lengths: np.ndarray    # [n, D]
+    offsets: np.ndarray          # [n, D] the region read (global coordinates)
+    lengths: np.ndarray          # [n, D]
+    ndim: np.ndarray             # [n]
+    chunk: np.ndarray            # [n] checksum chunk bytes; the grid starts at the saved box's first byte
+    crc_lo: np.ndarray           # [n] the box's CRCs are crcs[crc_lo:crc_hi]
+    crc_hi: np.ndarray
+    crcs: np.ndarray             # uint32
+
+    def __len__(self) -> int:
+        return len(self.dest)
+
+    def take(self, rows: np.ndarray) -> "ReadColumns":
+        return ReadColumns(self.names, *(getattr(self, f)[rows] for f in _ROW_FIELDS), self.crcs)
+
+    def items(self) -> list[ReadItem]:
+        """Every row as a ReadItem (equal to what the record-based planner makes)."""
+        if not len(self):
+            return []
+        lists = [getattr(self, f).tolist() for f in _ROW_FIELDS]
+        tensor, dest, file, offset, nbytes, so, sl, ro, rl, nd, chunk, c0, c1 = lists
+        crcs, names = self.crcs.tolist(), self.names
+        out = []
+        for i in range(len(dest)):
+            k = len(so[i]) - nd[i]
+            a, b = offset[i], nbytes[i]
+            saved = SavedBox(tuple(so[i][k:]), tuple(sl[i][k:]), file[i], a, b,
+                             Sums(a, a + b, chunk[i], tuple(crcs[c0[i]:c1[i]])))
+            out.append(ReadItem(names[tensor[i]], dest[i], saved, Box(tuple(ro[i][k:]), tuple(rl[i][k:]))))
+        return out
+
+    def item_nbytes(self) -> np.ndarray:
+        """ReadItem.nbytes of every row."""
+        return self.lengths.prod(axis=1) * (self.nbytes // np.maximum(self.saved_lengths.prod(axis=1), 1))
+
+
+_ROW_FIELDS = ("tensor", "dest", "file", "offset", "nbytes", "saved_offsets", "saved_lengths", "offsets", "lengths",
+               "ndim", "chunk", "crc_lo", "crc_hi")
+
+
+def _columnar(cols) -> bool:
+    """Whether the overlaps of stored boxes `cols` (BoxColumns or None) stay columns: checksummed
+    (a foreign format's boxes have none) and uncompressed (a compressed box's grid lies elsewhere)."""
+    return cols is not None and cols.chunk_bytes is not None and cols.codec is None
+
+
+class _Pieces:
+    """The columnar read items of one plan_reads call, gathered per stored-box table."""
+
+    def __init__(self):
+        self.parts: list[tuple] = []
+        self.names: list[str] = []
+        self.crcs: dict[int, tuple] = {}   # id(BoxColumns) -> (base, its crcs, it)
+        self.ncrcs = 0
+
+    def add(self, names, dest: np.ndarray, cols, rows: np.ndarray, offs: np.ndarray, lens: np.ndarray,
+            tensor: np.ndarray | None = None) -> None:
+        """Items reading rows `rows` of `cols` over regions (offs, lens): one tensor's (`names` a
+        string) or several (`names` a list, `tensor` indexing it)."""
+        first = len(self.names)
+        if isinstance(names, str):
+            self.names.append(names)
+            tensor = np.full(len(rows), first, dtype=np.int64)
+        else:
+            self.names.extend(names)
+            tensor = tensor + first
+        held = self.crcs.get(id(cols))
+        if held is None:
+            held = self.crcs[id(cols)] = (self.ncrcs, cols.crcs, cols)   # cols kept: its id stays unique
+            self.ncrcs += len(cols.crcs)
+        base = held[0]
+        nbytes = cols.nbytes[rows]
+        chunk = np.full(len(rows), cols.chunk_bytes, dtype=np.int64) if cols.chunk_bytes else np.maximum(nbytes, 1)
+        self.parts.append((tensor, dest, cols.file[rows], cols.offset[rows], nbytes, cols.offsets[rows],
+                           cols.lengths[rows], offs, lens, chunk, base + cols.sums_start[rows],
+                           base + cols.sums_start[rows + 1]))
+
+    def columns(self) -> ReadColumns | None:
+        if not self.parts:
+            return None
+        width = max(p[5].shape[1] for p in self.parts)
+
+        def cat(k: int, pad: int | None = None) -> np.ndarray:
+            arrays = [p[k] for p in self.parts]
+            if pad is not None:
+                arrays = [a if a.shape[1] == width else
+                          np.concatenate([np.full((len(a), width - a.shape[1]), pad, dtype=np.int64), a], axis=1)
+                          for a in arrays]
+            return np.concatenate(arrays).astype(np.int64, copy=False)
+
+        ndim = np.concatenate([np.full(len(p[0]), p[5].shape[1], dtype=np.int64) for p in self.parts])
+        crcs = np.concatenate([c for _, c, _ in self.crcs.values()]).astype(np.uint32, copy=False)
+        return ReadColumns(self.names, cat(0), cat(1), cat(2), cat(3), cat(4), cat(5, 0), cat(6, 1), cat(7, 0),
+                           cat(8, 1), ndim, cat(9), cat(10), cat(11), crcs)
+
+
+class ReadPlan(Sequence):
+    """What plan_reads returns: a sequence of ReadItems (per wanted box, in the order of the
+    tensor's saved boxes), held as records (`objects`) and columns (`columns`, or None); the
+    records of column rows are made only when a caller indexes or iterates the plan. The engine
+    reads and installs `columns` as arrays (engine.load.land_tensors)."""
+
+    def __init__(self, objects: list[ReadItem], columns: ReadColumns | None = None):
+        self.objects = objects
+        self.columns = columns if columns is not None and len(columns) else None
+        self._items: list[ReadItem] | None = None
+        self._order: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.objects) + (len(self.columns) if self.columns is not None else 0)
+
+    @property
+    def order(self) -> np.ndarray:
+        """Position in the sequence -> index into objects + rows of columns (objects first)."""
+        if self._order is None:
+            dests = np.fromiter((it.dest for it in self.objects), dtype=np.int64, count=len(self.objects))
+            if self.columns is not None:
+                dests = np.concatenate([dests, self.columns.dest])
+            # Each wanted box's items all come from one of the two: a stable sort by wanted box
+            # keeps each one's own order.
+            self._order = np.argsort(dests, kind="stable")
+        return self._order
+
+    def _all(self) -> list[ReadItem]:
+        if self._items is None:
+            if self.columns is None:
+                self._items = self.objects
+            else:
+                merged = self.objects + self.columns.items()
+                self._items = [merged[i] for i in self.order.tolist()]
+        return self._items
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (ReadPlan, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"ReadPlan({len(self.objects)} records, {0 if self.columns is None else len(self.columns)} rows)"
+
+    def take(self, positions: Sequence[int]) -> "ReadPlan":
+        """The items at `positions` (ascending), as a plan: columns stay columns."""
+        src = self.order[np.asarray(positions, dtype=np.int64)]
+        n = len(self.objects)
+        objects = [self.objects[i] for i in src[src < n].tolist()]
+        rows = src[src >= n] - n
+        return ReadPlan(objects, self.columns.take(rows) if self.columns is not None and len(rows) else None)
+
+    def names(self) -> set[str]:
+        out = {it.name for it in self.objects}
+        if self.columns is not None:
+            out.update(self.columns.names[i] for i in np.unique(self.columns.tensor).tolist())
+        return out
+
+    def bytes_per_file(self) -> dict[int, int]:
+        """{data file: bytes the items read from it} (zero-fill items left out)."""
+        read: dict[int, int] = {}
+        for it in self.objects:
+            if it.saved.file >= 0:
+                read[it.saved.file] = read.get(it.saved.file, 0) + it.nbytes
+        c = self.columns
+        if c is not None:
+            files, at = np.unique(c.file, return_inverse=True)
+            sums = np.bincount(at, weights=c.item_nbytes(), minlength=len(files))
+            for f, b in zip(files.tolist(), sums.tolist()):
+                read[f] = read.get(f, 0) + int(b)
+        return read
+
+
 # From this many stored boxes on, a tensor is searched through an index (BoxIndex); tensors with
 # fewer are intersected all together, in bulk (_plan_small).
 _INDEX_FROM = 16
 
 
-def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadItem]:
+def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> "ReadPlan":
     """Every (saved box, wanted box) overlap, checking that each wanted box is fully covered.
 
     Items come per wanted box, in the order of the tensor's saved boxes. A tensor with many boxes
     is searched through an index (`BoxIndex`, built once per call), so a wanted box costs its
     overlaps, not the tensor's box count; tensors with few boxes (10^4 small tensors of an MoE
-    model) are intersected with numpy all at once. Only the saved boxes a wanted box overlaps
-    become SavedBox records."""
+    model) are intersected with numpy all at once. Overlaps with stored boxes that have columns
+    (a decoded omnickpt manifest, uncompressed, checksummed) stay columns (`ReadColumns`): no
+    record is built per item unless a caller asks for one."""
     per_box: list[list[ReadItem]] = [[] for _ in wanted]
     gaps: list[tuple[int, str]] = []
     indexes: dict[str, BoxIndex] = {}
     small: dict[tuple, list] = {}   # (ndim, chunk_bytes) -> [(wanted index, name, box, columns)]
+    pieces = _Pieces()
     for di, (name, box) in enumerate(wanted):
         entry = manifest.tensors.get(name)
         if entry is None:
@@ -90,18 +284,22 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> list[ReadIt
             found, offs, lens = index.overlapping(box)
             if len(found):
                 covered = int(lens.prod(axis=1).sum())
-                saved = _saved_boxes(entry, found)
-                per_box[di] = [ReadItem(name, di, sb, Box(tuple(o), tuple(n)))
-                               for sb, o, n in zip(saved, offs.tolist(), lens.tolist())]
+                cols = getattr(entry, "columns", None)
+                if _columnar(cols):
+                    pieces.add(name, np.full(len(found), di, dtype=np.int64), cols, found, offs, lens)
+                else:
+                    saved = _saved_boxes(entry, found)
+                    per_box[di] = [ReadItem(name, di, sb, Box(tuple(o), tuple(n)))
+                                   for sb, o, n in zip(saved, offs.tolist(), lens.tolist())]
         if covered < box.numel:
             gaps.append((di, _gap(name, covered, box)))
     for (ndim, chunk_bytes, _), group in small.items():
-        _plan_small(group, ndim, chunk_bytes, per_box, gaps)
+        _plan_small(group, ndim, chunk_bytes, per_box, gaps, pieces)
     if gaps:
         lines = [g for _, g in sorted(gaps, key=lambda g: g[0])]
         raise MismatchError("the checkpoint does not cover every element this rank needs:\n  " + "\n  ".join(lines),
                             lines)
-    return [it for items in per_box for it in items]
+    return ReadPlan([it for items in per_box for it in items], pieces.columns())
 
 
 def _gap(name: str, covered: int, box: Box) -> str:
@@ -123,7 +321,7 @@ def _small_key(entry) -> tuple | None:
 
 
 def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[list[ReadItem]],
-                gaps: list[tuple[int, str]]) -> None:
+                gaps: list[tuple[int, str]], pieces: "_Pieces") -> None:
     """The reads of wanted boxes of tensors with few stored boxes, all of one ndim and checksum
     kind: their boxes joined (straight from the manifest's arrays where it was decoded), every
     (stored box, wanted box of its tensor) pair intersected in one numpy pass, records made for
@@ -141,6 +339,11 @@ def _plan_small(group: list, ndim: int, chunk_bytes: int | None, per_box: list[l
     if not len(hit):
         return
     who = owner[hit]
+    if _columnar(cols):
+        dest = np.array([g[0] for g in group], dtype=np.int64)[who]
+        names = [g[1] for g in group]
+        pieces.add(names, dest, cols, hit, lo[hit], n[hit], tensor=who)
+        return
     file, offset, nbytes = cols.file[hit].tolist(), cols.offset[hit].tolist(), cols.nbytes[hit].tolist()
     sums = _small_sums(cols, hit, offset, nbytes, chunk_bytes)
     saved_offs = map(tuple, cols.offsets[hit].tolist())
