@@ -111,7 +111,8 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
             _plan_load(job, comm, o)
         if not (o.strict and job.differences):
             _check_objects(job, comm, o.allow_pickle, o.strict)
-        wants = [(item_key(it), it.nbytes) for it in job.items] if dedup else []
+        wants = [] if not dedup else (job.items.wants() if isinstance(job.items, ReadPlan) else
+                                      [(item_key(it), it.nbytes) for it in job.items])
         # a process loading alone reads every file through the page cache (shared_files): no tally
         files = _files_read(job) if comm.world_size > 1 else None
         return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job), files
@@ -151,7 +152,8 @@ class _Reading:
             with job.timer.phase("plan"):
                 self.forward = assign_readers(self.wants)
                 readers = {key: reader for key, reader, _ in self.forward}
-                self.mine = [i for i, it in enumerate(job.items) if readers.get(item_key(it), rank) == rank]
+                # this rank's wants are its items' keys, in order
+                self.mine = [i for i, (key, _) in enumerate(self.wants[rank]) if readers.get(key, rank) == rank]
         items = job.items
         if len(self.mine) < len(items):
             items = items.take(self.mine) if isinstance(items, ReadPlan) else [items[i] for i in self.mine]
@@ -164,7 +166,8 @@ class _Reading:
             self.landing.discard()
 
     def install(self) -> None:
-        _install(self.job, self.comm, self.landing, self.forward, self.mine)
+        _install(self.job, self.comm, self.landing, self.forward, self.mine,
+                 self.wants[self.comm.rank] if self.wants is not None else None)
 
 
 @gc_paused()
@@ -205,14 +208,15 @@ def _check_objects(job: _LoadJob, comm: Comm, allow_pickle: bool, strict: bool) 
         job.items = []
 
 @gc_paused()
-def _install(job: _LoadJob, comm: Comm, landing, forward, mine: list[int]) -> None:
+def _install(job: _LoadJob, comm: Comm, landing, forward, mine: list[int], wants: list | None) -> None:
     """Every rank: copy the verified bytes into the targets, forward replicas (point-to-point
     with the ranks that wanted the same bytes), convert cast tensors, let each target finish
     (load_state_dict, plain values written back)."""
     filled = landing.install(compacts=forward is not None)
     if forward is not None:
-        forward_replicas(job.items, dict(zip(mine, filled)), forward, job.boxes, job.match.dests, comm.rank,
-                         comm.group, job.timer)
+        at = {i: k for k, i in enumerate(mine)}
+        forward_replicas(job.items, [key for key, _ in wants], lambda i: filled[at[i]], forward, job.boxes,
+                         job.match.dests, comm.rank, comm.group, job.timer)
     with torch.no_grad():
         for target, landed in job.match.casts:
             target.detach().copy_(landed)

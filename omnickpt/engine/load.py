@@ -20,7 +20,7 @@ from omnickpt.format.manifest import Sums, WindowBox
 from omnickpt.layout import Box, contiguous_start, relative, row_major_strides, spans
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem, ReadPlan
-from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan, item_key
+from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan
 from omnickpt.storage import Storage
 from omnickpt.storage.base import require_length, run_all
 
@@ -459,10 +459,10 @@ class Landing:
     def __init__(self, install, discard):
         self._install, self._discard = install, discard
 
-    def install(self, *, compacts: bool = False) -> list[torch.Tensor] | None:
+    def install(self, *, compacts: bool = False) -> Sequence[torch.Tensor] | None:
         """Copy the landed bytes into their destinations. With `compacts`, returns per item a
         contiguous tensor holding what it filled (the destination region itself when contiguous),
-        for forwarding."""
+        for forwarding; each is made when first asked for."""
         try:
             return self._install(compacts)
         finally:
@@ -619,12 +619,9 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
         give_back()
         raise
 
-    def finish(compacts: bool) -> list[torch.Tensor] | None:
+    def finish(compacts: bool) -> Sequence[torch.Tensor] | None:
         install(batches[-1], way.zeros)
-        if not compacts:
-            return None
-        views = [_dest_view(it, dest_boxes[it.dest], dests[it.dest]) for it in way.items]
-        return [v if v.is_contiguous() else v.contiguous() for v in views]
+        return _Compacts(way.items, dest_boxes, dests) if compacts else None
 
     return Landing(finish, give_back)
 
@@ -1034,6 +1031,22 @@ def _copy_one(ext: _Extent, n: _Need, it: ReadItem, places: _Dests, typed: dict)
     view.copy_(_source(ext, n, it, view.dtype, typed))
 
 
+class _Compacts:
+    """Per landed item, a contiguous tensor holding what it filled (see Landing.install), made
+    when asked for: a rank forwards few of the items it read."""
+
+    def __init__(self, items: Sequence[ReadItem], dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor]):
+        self._items, self._boxes, self._dests = items, dest_boxes, dests
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        it = self._items[i]
+        view = _dest_view(it, self._boxes[it.dest], self._dests[it.dest])
+        return view if view.is_contiguous() else view.contiguous()
+
+
 def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool,
                  timer: PhaseTimer) -> None:
@@ -1041,16 +1054,17 @@ def read_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     land_tensors(storage, manifest, items, dest_boxes, dests, executor, verify=verify, timer=timer).install()
 
 
-def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor], plan: "ForwardPlan",
+def forward_replicas(items: Sequence[ReadItem], keys: Sequence, compact_of, plan: "ForwardPlan",
                      dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor], rank: int, group,
                      timer: PhaseTimer) -> None:
     """Zero-redundancy load, second half: readers send what they read to the other ranks that
     want the same bytes; those receive straight into their destination where it is contiguous.
+    `keys` are the items' item_keys, `compact_of(i)` what this rank read for item i.
 
     All ranks walk the shared keys in the same order, so the point-to-point pairs always match.
     """
     import torch.distributed as dist
-    by_key = {item_key(it): i for i, it in enumerate(items)}
+    by_key = {key: i for i, key in enumerate(keys)}
     with timer.phase("forward"):
         ops, pending = [], []
         for key, reader, others in plan:
@@ -1058,8 +1072,9 @@ def forward_replicas(items: Sequence[ReadItem], compacts: dict[int, torch.Tensor
             if i is None:
                 continue
             if reader == rank:
+                compact = compact_of(i)
                 for o in others:
-                    ops.append(dist.P2POp(dist.isend, compacts[i], dist.get_global_rank(group, o), group))
+                    ops.append(dist.P2POp(dist.isend, compact, dist.get_global_rank(group, o), group))
             elif rank in others:
                 it = items[i]
                 view = _dest_view(it, dest_boxes[it.dest], dests[it.dest])

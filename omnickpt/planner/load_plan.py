@@ -80,6 +80,30 @@ class ReadColumns:
     def take(self, rows: np.ndarray) -> "ReadColumns":
         return ReadColumns(self.names, *(getattr(self, f)[rows] for f in _ROW_FIELDS), self.crcs)
 
+    def item(self, r: int) -> ReadItem:
+        """Row r as a ReadItem."""
+        k = self.offsets.shape[1] - int(self.ndim[r])
+        a, b = int(self.offset[r]), int(self.nbytes[r])
+        saved = SavedBox(tuple(self.saved_offsets[r, k:].tolist()), tuple(self.saved_lengths[r, k:].tolist()),
+                         int(self.file[r]), a, b,
+                         Sums(a, a + b, int(self.chunk[r]), tuple(self.crcs[self.crc_lo[r]:self.crc_hi[r]].tolist())))
+        return ReadItem(self.names[int(self.tensor[r])], int(self.dest[r]), saved,
+                        Box(tuple(self.offsets[r, k:].tolist()), tuple(self.lengths[r, k:].tolist())))
+
+    def keys(self) -> list[tuple]:
+        """item_key of every row, without its record."""
+        n, width = len(self), self.offsets.shape[1]
+        offs: list = [None] * n
+        lens: list = [None] * n
+        for nd in np.unique(self.ndim).tolist():
+            rows = np.flatnonzero(self.ndim == nd)
+            at = rows.tolist()
+            for r, o, m in zip(at, self.offsets[rows, width - nd:].tolist(), self.lengths[rows, width - nd:].tolist()):
+                offs[r], lens[r] = tuple(o), tuple(m)
+        names = self.names
+        return [(names[t], f, a, o, m) for t, f, a, o, m in
+                zip(self.tensor.tolist(), self.file.tolist(), self.offset.tolist(), offs, lens)]
+
     def items(self) -> list[ReadItem]:
         """Every row as a ReadItem (equal to what the record-based planner makes)."""
         if not len(self):
@@ -198,7 +222,12 @@ class ReadPlan(Sequence):
         return self._items
 
     def __getitem__(self, i):
-        return self._all()[i]
+        if self._items is not None or not isinstance(i, int):
+            return self._all()[i]
+        # One record, made alone: forwarding asks for a few items of a plan of 10^5.
+        src = int(self.order[i])
+        n = len(self.objects)
+        return self.objects[src] if src < n else self.columns.item(src - n)
 
     def __iter__(self):
         return iter(self._all())
@@ -220,6 +249,14 @@ class ReadPlan(Sequence):
         objects = [self.objects[i] for i in src[src < n].tolist()]
         rows = src[src >= n] - n
         return ReadPlan(objects, self.columns.take(rows) if self.columns is not None and len(rows) else None)
+
+    def wants(self) -> list[tuple[ItemKey, int]]:
+        """(item_key, nbytes) of every item, in order, without making records of the rows."""
+        keyed = [(item_key(it), it.nbytes) for it in self.objects]
+        if self.columns is not None:
+            keyed += list(zip(self.columns.keys(), self.columns.item_nbytes().tolist()))
+            keyed = [keyed[i] for i in self.order.tolist()]
+        return keyed
 
     def names(self) -> set[str]:
         out = {it.name for it in self.objects}
