@@ -555,3 +555,8 @@ def test_column_installs_by_run_and_by_index_put_every_element_in_place(tmp_path
         assert torch.equal(vs[0], flat[:16]) and torch.equal(vs[1], flat[16:48]) and torch.equal(vs[2], flat[48:])
         assert torch.equal(g, grid), records
         assert (host == -1.0).sum() == host.numel() - grid.numel()
+    # Rows of one dimension beside an empty box of the grid (uneven shards leave a rank nothing
+    # of a tensor): a destination of more dimensions than any row.
+    v = torch.full((64,), -1.0)
+    _land(tmp_path / "ck", [("g", Box((0, 0), (0, 24))), ("v", Box.full((64,)))], [torch.empty(0, 24), v], False)
+    assert torch.equal(v, flat)

@@ -891,7 +891,9 @@ class _ColumnDests:
         self.box_off = np.zeros((n, width), dtype=np.int64)
         self.box_len = np.ones((n, width), dtype=np.int64)
         for i, b in enumerate(dest_boxes):
-            if b.lengths:
+            # A destination of more dimensions than every row has no rows (an empty box: uneven
+            # shards leave some ranks nothing of a tensor).
+            if 0 < len(b.lengths) <= width:
                 self.box_off[i, width - len(b.offsets):] = b.offsets
                 self.box_len[i, width - len(b.lengths):] = b.lengths
         self.box_strides = np.ones((n, width), dtype=np.int64)
