@@ -692,7 +692,7 @@ class _Columns:
         self.land_lo = c.offset + (self.lo - c.offset) // size * size
         self.land_hi = np.minimum(c.offset + c.nbytes, c.offset - (-(self.hi - c.offset) // size) * size)
         self.extents = self._extents()
-        self.places = _ColumnDests(dest_boxes, dests, width)
+        self.places = _ColumnDests(dest_boxes, dests, width, np.unique(c.dest))
 
     def _extents(self) -> list[_Extent]:
         """As _extents: ranges of one file within COALESCE_GAP of each other share a landing
@@ -883,37 +883,42 @@ class _Columns:
 
 class _ColumnDests:
     """The destination tensors as arrays, for _Columns.put: box offsets, lengths and row-major
-    strides padded in front to the columns' width, and for plain tensors their address."""
+    strides padded in front to the columns' width, and for plain tensors their address; filled
+    for the destinations some row reads into (`used`), one Python step each."""
 
-    def __init__(self, dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor], width: int):
+    def __init__(self, dest_boxes: Sequence[Box], dests: Sequence[torch.Tensor], width: int, used: np.ndarray):
         self.dests = dests
         n = len(dests)
         self.box_off = np.zeros((n, width), dtype=np.int64)
         self.box_len = np.ones((n, width), dtype=np.int64)
-        for i, b in enumerate(dest_boxes):
-            # A destination of more dimensions than every row has no rows (an empty box: uneven
-            # shards leave some ranks nothing of a tensor).
-            if 0 < len(b.lengths) <= width:
-                self.box_off[i, width - len(b.offsets):] = b.offsets
-                self.box_len[i, width - len(b.lengths):] = b.lengths
+        self.plain = np.zeros(n, dtype=bool)
+        self.scatterable = np.zeros(n, dtype=bool)
+        self.ptr = np.zeros(n, dtype=np.int64)
+        self.numel = np.zeros(n, dtype=np.int64)
+        by_ndim: dict[int, list[int]] = {}
+        for i in used.tolist():
+            by_ndim.setdefault(len(dest_boxes[i].lengths), []).append(i)
+            t = dests[i]
+            if not t.is_cpu or t.is_conj() or t.is_neg():
+                continue
+            self.scatterable[i] = t.dim() > 0
+            if t.is_contiguous():
+                self.plain[i], self.ptr[i], self.numel[i] = True, t.data_ptr(), t.numel()
+        for nd, idx in by_ndim.items():
+            if nd:   # rows of a destination have its dimensions: nd <= width
+                self.box_off[idx, width - nd:] = np.array([dest_boxes[i].offsets for i in idx], dtype=np.int64)
+                self.box_len[idx, width - nd:] = np.array([dest_boxes[i].lengths for i in idx], dtype=np.int64)
         self.box_strides = np.ones((n, width), dtype=np.int64)
         for d in range(width - 2, -1, -1):
             self.box_strides[:, d] = self.box_strides[:, d + 1] * self.box_len[:, d + 1]
-        self.plain = np.array([plain_bytes(t) for t in dests], dtype=bool)
-        self.ptr = np.array([t.data_ptr() if p else 0 for t, p in zip(dests, self.plain)], dtype=np.int64)
-        self.numel = np.array([t.numel() for t in dests], dtype=np.int64)
-        self.scatterable = np.array([t.device.type == "cpu" and not t.is_conj() and not t.is_neg() and t.dim() > 0
-                                     for t in dests], dtype=bool)
-        self._detached: dict[int, tuple] = {}
+        self._detached: dict[int, torch.Tensor] = {}
 
     def view(self, d: int, offsets: list[int], lengths: tuple[int, ...]) -> torch.Tensor:
         """The region (offsets, lengths: unpadded, global coordinates) of destination d, as a
         view of its detached data."""
-        place = self._detached.get(d)
-        if place is None:
-            t = self.dests[d].detach()
-            place = self._detached[d] = t
-        t = place
+        t = self._detached.get(d)
+        if t is None:
+            t = self._detached[d] = self.dests[d].detach()
         if not t.dim():
             return t
         width = self.box_off.shape[1]

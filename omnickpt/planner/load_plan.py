@@ -304,6 +304,10 @@ def plan_reads(manifest: Manifest, wanted: list[tuple[str, Box]]) -> "ReadPlan":
             gaps.append((di, f"{name}: missing from the checkpoint"))
             continue
         covered = 0
+        pending = entry.pending   # undecoded rows (a decoded manifest's entries): grouped without decoding
+        if pending is not None and len(pending) < _INDEX_FROM:
+            small.setdefault((len(entry.shape), pending.chunk_bytes, pending.group), []).append((di, name, box, entry))
+            continue
         if entry.box_count < _INDEX_FROM:
             key = _small_key(entry)
             if key is not None:
