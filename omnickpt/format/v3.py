@@ -258,10 +258,13 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
     if sel:
         _validate_rows(m, store, idx, sel, where)
     m.tensors = {}
+    # Plain lists: indexing a numpy array per tensor makes a numpy scalar each time (10^4 tensors).
+    row0, elem0, crc0 = idx.row0.tolist(), idx.elem0.tolist(), idx.crc0.tolist()
+    names, shapes, dtypes, itemsizes, codecs = idx.names, idx.shapes, idx.dtypes, idx.itemsizes, idx.codecs
     for i in sel:
-        m.tensors[idx.names[i]] = TensorEntry(idx.shapes[i], idx.dtypes[i], load=_Slice(
-            store, int(idx.row0[i]), int(idx.row0[i + 1]), int(idx.elem0[i]), len(idx.shapes[i]),
-            int(idx.crc0[i]), idx.itemsizes[i], idx.dtypes[i], idx.codecs[i]))
+        shape = shapes[i]
+        m.tensors[names[i]] = TensorEntry(shape, dtypes[i], load=_Slice(
+            store, row0[i], row0[i + 1], elem0[i], len(shape), crc0[i], itemsizes[i], dtypes[i], codecs[i]))
 
 
 def _read_index(m: Manifest, index: dict, where: str, wanted: set | None) -> _Index:
@@ -489,9 +492,10 @@ class _Rows:
         return wide
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Slice:
-    """One tensor's rows of a _Rows: made into BoxColumns on first use."""
+    """One tensor's rows of a _Rows: made into BoxColumns on first use (slots: one per tensor of a
+    decoded manifest, 10^4 and more)."""
     store: _Rows
     row0: int
     row1: int
