@@ -560,3 +560,19 @@ def test_column_installs_by_run_and_by_index_put_every_element_in_place(tmp_path
     v = torch.full((64,), -1.0)
     _land(tmp_path / "ck", [("g", Box((0, 0), (0, 24))), ("v", Box.full((64,)))], [torch.empty(0, 24), v], False)
     assert torch.equal(v, flat)
+
+
+def test_a_large_install_spread_over_threads_puts_every_byte_in_place(tmp_path):
+    # Runs of more than _PARALLEL_BYTES are copied in pieces of _COPY_PIECE on the I/O threads: runs
+    # of odd lengths (not whole pieces) into tensors side by side in one file all land exactly.
+    import omnickpt
+    from omnickpt.engine.load import _COPY_PIECE, _PARALLEL_BYTES
+    gen = torch.Generator().manual_seed(3)
+    sizes = [_COPY_PIECE // 4 * 2 + 3, _PARALLEL_BYTES // 4 + 17, 5]
+    state = {f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+    omnickpt.save(str(tmp_path / "ck"), state)
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    with omnickpt.Checkpointer() as ck:
+        ck.load(str(tmp_path / "ck"), dest)
+    for k in state:
+        assert torch.equal(dest[k], state[k]), k

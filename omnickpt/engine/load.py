@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -590,12 +591,13 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     def install(batch: list[_Extent], zero: Sequence[int]) -> None:
         with timer.phase("install"):
             # copy_ and memmove release the GIL: large batches are copied on the I/O threads, one extent each.
-            if executor is not None and len(batch) > 1 and sum(e.end - e.start for e in batch) >= _PARALLEL_BYTES:
-                for f in [executor.submit(way.put, ext) for ext in batch]:
+            large = executor is not None and sum(e.end - e.start for e in batch) >= _PARALLEL_BYTES
+            if large and len(batch) > 1:
+                for f in [executor.submit(way.put, ext, None) for ext in batch]:
                     f.result()
             else:
-                for ext in batch:
-                    way.put(ext)
+                for ext in batch:   # one large extent spreads its copies over the threads itself
+                    way.put(ext, executor if large else None)
             give_back()   # the landing memory goes back now, not at the end of the load
             for i in zero:
                 it = way.items[i]
@@ -651,7 +653,7 @@ class _Records:
     def describe(self, ext: _Extent, lo: int, hi: int) -> str:
         return _describe(self.items, [n for n in ext.needs if n.land_lo < hi and lo < n.land_hi])
 
-    def put(self, ext: _Extent) -> None:
+    def put(self, ext: _Extent, executor: Executor | None) -> None:
         _put(ext, self.items, self.places)
 
 
@@ -800,10 +802,10 @@ class _Columns:
         more = len(rows) - 3 if len(rows) > 1000 else len(names) - 3
         return ", ".join(names[:3]) + (f" and {more} more" if more > 0 else "")
 
-    def put(self, ext: _Extent) -> None:
+    def put(self, ext: _Extent, executor: Executor | None) -> None:
         """Install one verified extent: runs contiguous in their destination by memmove (neighbours
-        in both the file and the destination as one), small strided regions by index, the rest
-        one strided copy each."""
+        in both the file and the destination as one; pieces of large ones spread over `executor`'s
+        threads when given), small strided regions by index, the rest one strided copy each."""
         c, places = self.c, self.places
         rows = ext.needs
         dest, lo, hi = c.dest[rows], self.lo[rows], self.hi[rows]
@@ -825,9 +827,7 @@ class _Columns:
             join = np.ones(len(runs), dtype=bool)
             join[1:] = (src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])
             at = np.flatnonzero(join)
-            sizes = np.add.reduceat(n, at)
-            for d0, s0, nb in zip(dst[at].tolist(), src[at].tolist(), sizes.tolist()):
-                copy_bytes(d0, s0, nb)
+            _memmoves(dst[at].tolist(), src[at].tolist(), np.add.reduceat(n, at).tolist(), executor)
         rest = rows[~one_run]
         if not len(rest):
             ext.buf = None
@@ -926,6 +926,30 @@ class _ColumnDests:
         for r, o, st in zip(offsets, self.box_off[d, width - t.dim():].tolist(), t.stride()):
             at += (r - o) * st
         return t.as_strided(lengths, t.stride(), at)
+
+
+# Pieces a large run is cut into when its copy is spread over threads.
+_COPY_PIECE = 8 << 20
+
+
+def _memmoves(dst: list[int], src: list[int], sizes: list[int], executor: Executor | None) -> None:
+    """memmove each (dst, src, size): on this thread, or, with `executor` and at least
+    _PARALLEL_BYTES, cut into pieces of _COPY_PIECE spread over its threads (memmove releases the
+    GIL: a lone process installs a 400 MB file on both cores of this machine)."""
+    if executor is None or sum(sizes) < _PARALLEL_BYTES:
+        for d0, s0, nb in zip(dst, src, sizes):
+            copy_bytes(d0, s0, nb)
+        return
+    pieces = [(d0 + a, s0 + a, min(_COPY_PIECE, nb - a)) for d0, s0, nb in zip(dst, src, sizes)
+              for a in range(0, nb, _COPY_PIECE)]
+    tasks = max(1, min(len(pieces), os.cpu_count() or 2))   # memory-bound: more tasks than cores gain nothing
+
+    def run(k: int) -> None:
+        for d0, s0, nb in pieces[k::tasks]:
+            copy_bytes(d0, s0, nb)
+
+    for f in [executor.submit(run, k) for k in range(tasks)]:
+        f.result()
 
 
 def _typed(ext: _Extent, dtype: torch.dtype, typed: dict) -> torch.Tensor:
