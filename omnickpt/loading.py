@@ -159,7 +159,8 @@ class _Reading:
             items = items.take(self.mine) if isinstance(items, ReadPlan) else [items[i] for i in self.mine]
         self.landing = land_tensors(job.storage, job.manifest, items, job.boxes,
                                     job.match.dests, self.ckpt._io, verify=self.verify, timer=job.timer,
-                                    budget=self.ckpt.landing_bytes, pool=self.ckpt._pool, shared_files=self.shared)
+                                    budget=self.ckpt.landing_bytes, pool=self.ckpt._pool, shared_files=self.shared,
+                                    start_at=self.comm.rank / self.comm.world_size if self.shared else 0.0)
 
     def discard(self) -> None:
         if self.landing is not None:

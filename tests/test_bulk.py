@@ -576,3 +576,41 @@ def test_a_large_install_spread_over_threads_puts_every_byte_in_place(tmp_path):
         ck.load(str(tmp_path / "ck"), dest)
     for k in state:
         assert torch.equal(dest[k], state[k]), k
+
+
+def test_ranks_reading_shared_files_begin_at_different_requests(tmp_path):
+    # Ranks that read the same files through the page cache (DDP replicas) begin their reads at
+    # rank / ranks of their request list and go round: the device reads each part once and the
+    # parts in parallel, where in one order every rank waits for the same pages. Four regions far
+    # apart in the file (one request each), begun at 0.5: the third and fourth are read first.
+    import omnickpt
+    from omnickpt.engine.load import land_tensors
+    from omnickpt.formats import read_manifest
+    from omnickpt.monitor import PhaseTimer
+    from omnickpt.storage.local import LocalStorage
+
+    class Recording(LocalStorage):
+        read_direct = None   # read through the cache, as a shared file is
+
+        def __init__(self, root):
+            super().__init__(root)
+            self.offsets = []
+
+        def read_into(self, rel, offset, buffers):
+            self.offsets.append(offset)
+            super().read_into(rel, offset, buffers)
+
+    from omnickpt import ShardSpec
+    state = {f"t{i}": torch.full((300 << 8,), float(i)) for i in range(8)}   # 300 KiB each
+    omnickpt.save(str(tmp_path / "ck"), {k: ShardSpec(v, (0,), v.shape, name=k) for k, v in state.items()})
+    wanted = [(f"t{i}", Box.full((300 << 8,))) for i in (0, 2, 4, 6)]
+    for start_at, first in ((0.0, "t0"), (0.5, "t4"), (0.75, "t6")):
+        storage = Recording(str(tmp_path / "ck"))
+        manifest = read_manifest(storage)
+        dests = [torch.zeros(300 << 8) for _ in wanted]
+        land_tensors(storage, manifest, plan_reads(manifest, wanted), [b for _, b in wanted], dests, None,
+                     verify=True, timer=PhaseTimer(), start_at=start_at).install()
+        starts = {manifest.tensors[n].boxes[0].offset: n for n, _ in wanted}
+        order = [starts[o] for o in storage.offsets if o in starts]
+        assert order[0] == first and sorted(order) == ["t0", "t2", "t4", "t6"], (start_at, order)
+        assert all(torch.equal(d, state[n]) for d, (n, _) in zip(dests, wanted))

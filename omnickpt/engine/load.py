@@ -548,7 +548,7 @@ def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], i
 def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer,
                  budget: int = LANDING_BYTES, pool: StagingPool | None = None,
-                 shared_files: Collection[int] = ()) -> Landing:
+                 shared_files: Collection[int] = (), start_at: float = 0.0) -> Landing:
     """Read every item's bytes into landing buffers and verify every checksum chunk they touch
     (whole chunks are read, so a partial read of a box is verified too). Nothing is written into
     `dests` until `Landing.install()`, so a corrupt read leaves the target untouched, when this
@@ -559,7 +559,11 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     Where the storage reads from a device (`read_direct`: local files), files are read from the
     device straight into the landing buffers, except `shared_files` (indices into
     manifest.files): other processes on this machine read those during this load too, and the
-    page cache's one device read serves them all."""
+    page cache's one device read serves them all. `start_at` (0 <= x < 1): where in its list of
+    read requests this rank begins, going round to the start: ranks that read the same files
+    through the cache begin at different places (rank / ranks), so that the device reads each part
+    once, the parts in parallel, and each rank finds the others' parts in the cache (DDP replicas:
+    all in one order, every rank waits for the same pages one stream at a time)."""
     way = _Columns.of(items, manifest, dest_boxes, dests, verify)
     if way is None:
         way = _Records(storage, manifest, list(stored_grids(manifest, items)), dest_boxes, dests, verify, executor)
@@ -580,6 +584,9 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             shift = -raw.data_ptr() % _PAGE
             requests, packed = _carve(batch, raw[shift:shift + total], offsets, request_of)
             checks, straddling = way.checks(storage, manifest, requests, executor)
+            if start_at and requests:
+                k = int(len(requests) * start_at) % len(requests)
+                requests, checks = requests[k:] + requests[:k], checks[k:] + checks[:k]
             # Each request's reader checks the chunks inside it as soon as it lands.
             _fetch_plain(storage, manifest, requests, checks, way.describe, direct_files, executor)
             read_bytes = _fetch_packed(storage, manifest, packed, way.items, verify, executor) if packed else 0
