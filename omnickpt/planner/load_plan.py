@@ -349,12 +349,10 @@ def _gap(name: str, covered: int, box: Box) -> str:
 
 
 def _small_key(entry) -> tuple | None:
-    """The bulk group of an entry with few stored boxes: (ndim, chunk size, the manifest arrays
-    its rows are joined from, or None); None when the entry holds SavedBox records already
-    (foreign formats, transforms, listed before): intersecting those one by one costs less."""
-    pending = getattr(entry, "pending", None)
-    if pending is not None:
-        return len(entry.shape), pending.chunk_bytes, pending.group
+    """The bulk group of an entry with few stored boxes whose rows are decoded already (plan_reads
+    groups undecoded ones itself): (ndim, chunk size, None); None when the entry holds SavedBox
+    records already (foreign formats, transforms, listed before): intersecting those one by one
+    costs less."""
     if getattr(entry, "holds_boxes", True):
         return None
     cols = entry.columns
