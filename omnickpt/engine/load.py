@@ -291,20 +291,36 @@ def _chunks_to_check(ext: _Extent, items: Sequence[ReadItem]) -> tuple[list[int]
     end = np.fromiter((x.end for x in sums), dtype=np.int64, count=count)
     lo = np.fromiter((n.lo for n in needs), dtype=np.int64, count=count)
     hi = np.fromiter((n.hi for n in needs), dtype=np.int64, count=count)
+    a, b, who, chunk = _used_chunks(start, size, end, lo, hi)
+    who_l, chunk_l = who.tolist(), chunk.tolist()
+    return (a.tolist(), b.tolist(), [sums[w].crcs[c] for w, c in zip(who_l, chunk_l)], [needs[w] for w in who_l])
+
+
+def _used_chunks(start: np.ndarray, size: np.ndarray, end: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """(first bytes, end bytes, the range using it, its index in that range's grid) of every chunk
+    that byte ranges [lo[i], hi[i]) touch in their grids (chunks of size[i] from start[i], the last
+    ending at end[i]), each once, in the order the ranges first use them: chunks shared by
+    neighbouring ranges (boxes cut from one stored box) are checked once."""
     c0 = (lo - start) // size
     per = np.maximum(-(-(hi - start) // size) - c0, 0)
-    who = np.repeat(np.arange(count), per)
+    who = np.repeat(np.arange(len(lo)), per)
     chunk = spans(c0, per)
     a = start[who] + chunk * size[who]
     b = np.minimum(a + size[who], end[who])
-    # Each (a, b) once, where it first appears: chunks shared by neighbouring needs are checked once.
     order = np.lexsort((np.arange(len(a)), b, a))
     first = np.ones(len(a), dtype=bool)
     first[1:] = (a[order][1:] != a[order][:-1]) | (b[order][1:] != b[order][:-1])
     keep = np.sort(order[first])
-    who_l, chunk_l = who[keep].tolist(), chunk[keep].tolist()
-    return (a[keep].tolist(), b[keep].tolist(), [sums[w].crcs[c] for w, c in zip(who_l, chunk_l)],
-            [needs[w] for w in who_l])
+    return a[keep], b[keep], who[keep], chunk[keep]
+
+
+def _holding_requests(requests: list[tuple], rs: list[int], a: np.ndarray, b: np.ndarray):
+    """(the position in `rs` of the request each chunk [a, b) starts in, whether it lies wholly
+    inside it), for requests[rs] (extent, start, stop) of one extent in file order."""
+    starts = np.array([requests[r][1] for r in rs], dtype=np.int64)
+    stops = np.array([requests[r][2] for r in rs], dtype=np.int64)
+    at = np.maximum(np.searchsorted(starts, a, side="right") - 1, 0)
+    return at, (starts[at] <= a) & (b <= stops[at])
 
 
 def _check_chunks(storage: Storage, manifest: Manifest, checks: Sequence[tuple], items: Sequence[ReadItem],
@@ -347,11 +363,7 @@ def _assign_checks(requests: list[tuple], items: Sequence[ReadItem], verify: boo
         firsts, ends, crcs, needs = _chunks_to_check(ext, items)
         if not firsts:
             continue
-        starts = np.array([requests[r][1] for r in rs], dtype=np.int64)
-        stops = np.array([requests[r][2] for r in rs], dtype=np.int64)
-        a, b = np.array(firsts, dtype=np.int64), np.array(ends, dtype=np.int64)
-        k = np.maximum(np.searchsorted(starts, a, side="right") - 1, 0)
-        inside = (starts[k] <= a) & (b <= stops[k])
+        k, inside = _holding_requests(requests, rs, np.array(firsts, dtype=np.int64), np.array(ends, dtype=np.int64))
         for j, (r, whole) in enumerate(zip(k.tolist(), inside.tolist())):
             (per_request[rs[r]] if whole else straddling).append((ext, firsts[j], ends[j], crcs[j], needs[j]))
     return per_request, straddling
@@ -740,25 +752,11 @@ class _Columns:
         for rs in by_ext.values():
             ext = requests[rs[0]][0]
             rows = ext.needs
-            start, size = c.offset[rows], c.chunk[rows]
-            end = start + c.nbytes[rows]
-            c0 = (self.lo[rows] - start) // size
-            per = np.maximum(-(-(self.hi[rows] - start) // size) - c0, 0)
-            who = np.repeat(np.arange(len(rows)), per)
-            k = spans(c0, per)
-            a = start[who] + k * size[who]
-            b = np.minimum(a + size[who], end[who])
+            start = c.offset[rows]
+            a, b, who, k = _used_chunks(start, c.chunk[rows], start + c.nbytes[rows], self.lo[rows], self.hi[rows])
             crc = c.crcs[c.crc_lo[rows][who] + k]
-            # A chunk read by several rows (boxes cut from one stored box) is checked once.
-            order = np.lexsort((b, a))
-            first = np.ones(len(order), dtype=bool)
-            first[1:] = (a[order][1:] != a[order][:-1]) | (b[order][1:] != b[order][:-1])
-            keep = order[first]
-            a, b, crc, who = a[keep], b[keep], crc[keep], rows[who[keep]]
-            starts = np.array([requests[r][1] for r in rs], dtype=np.int64)
-            stops = np.array([requests[r][2] for r in rs], dtype=np.int64)
-            at = np.maximum(np.searchsorted(starts, a, side="right") - 1, 0)
-            inside = (starts[at] <= a) & (b <= stops[at])
+            who = rows[who]
+            at, inside = _holding_requests(requests, rs, a, b)
             out = np.flatnonzero(~inside)
             if len(out):
                 straddling.append((ext, a[out], b[out], crc[out], who[out]))
