@@ -1,7 +1,7 @@
 """Cold-cache loads, measured against the device: what a restarted job pays to read its checkpoint.
 
     .venv/bin/python bench/cold_load_probe.py [--width 2048 --layers 6 --runs 3]
-    .venv/bin/python bench/cold_load_probe.py --ranks 2 --workload mlp --framework fsdp2 --libs omnickpt,dcp
+    .venv/bin/python bench/cold_load_probe.py --ranks 2 --workload mlp --framework fsdp2 --libs omnickpt,dcp [--fresh]
 
 One process (default): the state of 6 x Linear(2048) + AdamW (300 MB) saved by omnickpt.save and by
 torch.save, both files dropped from the page cache before every load (bench/ranks.py evict);
@@ -13,6 +13,8 @@ a figure takes seconds, not minutes): each library saves the workload once, then
 every rank loads it cold (files evicted) and then warm. Beside it, the device's own speed on the
 same files: `dd` reading the checkpoint's files cold, one after another (one reader) and all at
 once (one reader per file). Figures: the slowest rank per repetition, median over repetitions.
+--fresh: every repetition loads in processes launched for it, as a restarted job does (its first
+load finds no warm landing memory), instead of all repetitions in one launch.
 """
 from __future__ import annotations
 
@@ -91,14 +93,17 @@ def dd_seconds(root: str, *, parallel: bool) -> float:
 
 
 def loads(rank: int, world: int, lib_name: str, cfg: dict) -> dict:
-    """Every rank: save the workload once with the library, then `runs` x (cold load, warm load)."""
+    """Every rank: save the workload once with the library (cfg["save"]), then `runs` x (cold load,
+    warm load) (cfg["runs"], 0: none). A launch that only loads fingerprints what the saving launch
+    left (both build the same seeded state)."""
     from libs import LIBS
     from scenario import barrier, fingerprint, perturb, same_fingerprint
     from workloads import build, state_bytes
     lib = LIBS[lib_name]()
     model, opt, module, _ = build(cfg["workload"], cfg["framework"], quick=cfg["quick"])
     path = os.path.join(cfg["root"], lib_name)
-    lib.save(path, model, opt, module)
+    if cfg["save"]:
+        lib.save(path, model, opt, module)
     saved = fingerprint(module, opt)
     perturb(module, opt)
     barrier()
@@ -117,26 +122,35 @@ def loads(rank: int, world: int, lib_name: str, cfg: dict) -> dict:
         lib.load(path, model, opt, module)
         out["warm"].append(time.perf_counter() - t)
         out["phases"].append({k: round(v["max"], 3) for k, v in (report or {}).get("phases", {}).items()})
-    out["verified"] = same_fingerprint(fingerprint(module, opt), saved)
+    out["verified"] = same_fingerprint(fingerprint(module, opt), saved) if cfg["runs"] else True
     out["file_bytes"] = sum(os.path.getsize(f) for f in data_files(path))
     barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
     lib.close()
     return out
 
 
 def ranks(args) -> None:
     root = tempfile.mkdtemp(prefix="omnickpt-cold-", dir=args.dir)
-    cfg = dict(workload=args.workload, framework=args.framework, quick=args.quick, runs=args.runs, root=root)
+    cfg = dict(workload=args.workload, framework=args.framework, quick=args.quick, runs=args.runs, root=root,
+               save=True)
     try:
         for lib in args.libs.split(","):
-            got = run_ranks(args.ranks, loads, lib, cfg)
+            if args.fresh:   # one launch saves; each load in a launch of its own, as a restarted job's
+                run_ranks(args.ranks, loads, lib, {**cfg, "runs": 0})
+                runs = [run_ranks(args.ranks, loads, lib, {**cfg, "runs": 1, "save": False}) for _ in range(args.runs)]
+                got = [{k: sum((run[r][k] for run in runs), []) if isinstance(runs[0][r][k], list) else runs[0][r][k]
+                        for k in runs[0][r]} for r in range(args.ranks)]
+                for r in range(args.ranks):
+                    got[r]["verified"] = all(run[r]["verified"] for run in runs)
+            else:
+                got = run_ranks(args.ranks, loads, lib, cfg)
+            shutil.rmtree(os.path.join(root, lib), ignore_errors=True)
             cold = [max(v) for v in zip(*(r["cold"] for r in got))]
             warm = [max(v) for v in zip(*(r["warm"] for r in got))]
             r0 = got[0]
             med = statistics.median
-            print(f"{args.workload}/{args.framework}/{lib}: {r0['file_bytes'] / 1e6:.0f} MB in files; cold "
+            print(f"{args.workload}/{args.framework}/{lib}{' (a fresh launch per load)' if args.fresh else ''}: "
+                  f"{r0['file_bytes'] / 1e6:.0f} MB in files; cold "
                   f"{med(cold):.3f} s {[round(x, 3) for x in cold]}, warm {med(warm):.3f} s "
                   f"{[round(x, 3) for x in warm]}; dd of its files cold {med(r0['dd']):.3f} s (one reader), "
                   f"{med(r0['dd_parallel']):.3f} s (one per file); cold / dd {med(cold) / med(r0['dd']):.2f}; "
@@ -158,6 +172,8 @@ def main() -> None:
     ap.add_argument("--framework", default="fsdp2")
     ap.add_argument("--libs", default="omnickpt,dcp")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="with --ranks 2: every load in a launch of its own "
+                                                         "(a restarted job's first load), not 3 in one launch")
     ap.add_argument("--dir", help="where the checkpoints go (default $TMPDIR)")
     args = ap.parse_args()
     if args.ranks == 1:

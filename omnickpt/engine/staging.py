@@ -119,6 +119,11 @@ class StagingPool:
         with self._cond:
             return self._held
 
+    def idle_largest(self) -> int:
+        """Bytes of the largest idle buffer (its pages faulted in by an earlier use), 0 if none."""
+        with self._cond:
+            return max((b.numel() for b in self._free if b is not None), default=0)
+
     def acquire(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 host buffer of at least `nbytes`, waiting while every slot is in use (or, with a
         budget, while the buffers in use leave no room for it). A request larger than the budget
