@@ -89,13 +89,17 @@ def _land(path, wanted, dests, *, records=False, pool=None, shared=True):
     return landing, timer
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["batched", "in-place"])
 @pytest.mark.parametrize("records", [False, True], ids=["columns", "records"])
-def test_a_load_in_two_passes_installs_what_one_pass_installs(tmp_path, small_batch, records):
+def test_a_load_in_two_passes_installs_what_one_pass_installs(tmp_path, small_batch, monkeypatch, records, in_place):
     # Random tilings, random wanted boxes, a tensor of 10,000 elements: cut into pieces of at most
     # 4 KB (or one stored box, where larger: a box smaller than a checksum chunk lands whole), read
     # twice and installed; the same bytes as the one-pass load (a warm pool buffer as large as the
-    # load) and as the tensors saved.
+    # load) and as the tensors saved. `in_place`: the second pass reads whole boxes that are one run of
+    # their destination straight into it (the column way; here boxes of any size, not only >= 1 MB).
+    import omnickpt.engine.load as engine_load
     from omnickpt.engine.staging import StagingPool
+    monkeypatch.setattr(engine_load, "IN_PLACE_MIN", 0 if in_place else 1 << 62)
     for seed in range(4):
         path, full, wanted = _saved(tmp_path, seed)
         out = []
@@ -171,9 +175,14 @@ def test_a_corrupt_byte_found_in_the_first_pass_installs_nothing(tmp_path, small
     assert all((d == -7).all() for d in dests)
 
 
-def test_bytes_that_change_between_the_passes_fail_the_install_by_name(tmp_path, small_batch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["batched", "in-place"])
+def test_bytes_that_change_between_the_passes_fail_the_install_by_name(tmp_path, small_batch, monkeypatch,
+                                                                      in_place):
     # The file is written to after the first pass verified it: the second pass verifies again and
-    # fails, saying the file changed during the load and that part of the target may hold it.
+    # fails, saying the file changed during the load and that part of the target may hold it; for a
+    # box read straight into its destination too (t0's boxes are whole rows of a plain destination).
+    import omnickpt.engine.load as engine_load
+    monkeypatch.setattr(engine_load, "IN_PLACE_MIN", 0 if in_place else 1 << 62)
     path, full, wanted = _saved(tmp_path, 3)
     dests = [torch.full(b.lengths, -7, dtype=full[n].dtype) for n, b in wanted]
     landing, _ = _land(path, wanted, dests)
@@ -182,6 +191,7 @@ def test_bytes_that_change_between_the_passes_fail_the_install_by_name(tmp_path,
         landing.install()
     msg = str(err.value)
     assert "checksum mismatch" in msg and name in msg and "changed during the load" in msg
+    assert "'t0' box offsets=[90, 0]" in msg
 
 
 def _two_ranks(rank, world, path, corrupt):

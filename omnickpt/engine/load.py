@@ -49,11 +49,14 @@ _PAGE = 4096
 _CONGRUENT_MIN = 1 << 20
 # A load read through the page cache whose landing memory would be fresh (a restarted process:
 # nothing in the staging pool as large) and of more than REREAD_MIN bytes on this rank verifies
-# in a first pass and installs in a second, both through one reused buffer of REREAD_BATCH bytes
-# (see _reread). Below REREAD_MIN the second copy cost more than the fresh memory saved here
-# (bench/cold_load_probe.py --fresh: 505 MB per rank 0.94 -> 1.05 s, 806 MB 2.15 -> 1.16 s).
+# in a first pass through one reused buffer of REREAD_BATCH bytes, then reads again and installs
+# (see _reread). bench/cold_load_probe.py --fresh, DDP: 505 MB per rank 1.09 -> 0.76 s, 806 MB
+# 2.07 -> 0.96 s. Smaller loads land once: a few batches' worth of fresh memory costs little.
 REREAD_BATCH = 128 << 20
-REREAD_MIN = 512 << 20
+REREAD_MIN = 256 << 20
+# A second pass reads a whole stored box of at least this many bytes that is one run of a plain
+# destination straight into it, and verifies it there (smaller ones: through the batch buffer).
+IN_PLACE_MIN = 1 << 20
 
 
 def stored_grids(manifest: Manifest, items: Sequence[ReadItem]) -> Sequence[ReadItem]:
@@ -518,9 +521,15 @@ def _carve(batch: list[_Extent], buf: torch.Tensor, offsets: list[int], request_
     """Give each extent its slice of `buf`; returns the plain extents' (extent, start, end) requests of
     at most `request_of(extent)` bytes, cut at page boundaries of the file (so that each request
     but an extent's first and last is whole pages), and the compressed extents (read chunk by chunk)."""
-    requests, packed = [], []
     for ext, off in zip(batch, offsets):
         ext.buf = buf[off:off + ext.end - ext.start]
+    return _requests(batch, request_of)
+
+
+def _requests(extents: list[_Extent], request_of) -> tuple[list[tuple], list[_Extent]]:
+    """The plain extents' requests as _carve cuts them, and the compressed extents."""
+    requests, packed = [], []
+    for ext in extents:
         if ext.sums is not None:
             packed.append(ext)
             continue
@@ -664,9 +673,24 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             install(batches[-1], way.zeros)
         else:
             try:
-                for i, batch in enumerate(batches):   # the second pass: read, verified again, installed
-                    read(batch, "reread")
-                    install(batch, way.zeros if i == len(batches) - 1 else ())
+                # The second pass: read, verified again, installed. Whole boxes of at least
+                # IN_PLACE_MIN bytes that are one run of a plain destination are read straight into
+                # it and verified there; the rest goes through the batch buffer.
+                direct, rest = way.in_place()
+                if direct:
+                    with timer.phase("reread"):
+                        requests, _ = _requests(direct, request_of)
+                        checks, straddling = way.checks(storage, manifest, requests, executor)
+                        _fetch_plain(storage, manifest, requests, checks, way.describe, direct_files, executor)
+                        timer.count("reread", sum(e.end - e.start for e in direct))
+                    if straddling is not None:
+                        with timer.phase("verify"):
+                            straddling()
+                again = _batches(_split(rest, way.bounds, REREAD_BATCH), REREAD_BATCH) if rest else [[]]
+                for i, batch in enumerate(again):
+                    if batch:
+                        read(batch, "reread")
+                    install(batch, way.zeros if i == len(again) - 1 else ())
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(
                     f"{e}. These bytes verified when this load read them first and changed before it read them "
@@ -691,6 +715,10 @@ class _Records:
     @staticmethod
     def bounds(ext: _Extent) -> tuple[list[int], list[int]]:
         return [n.land_lo for n in ext.needs], [n.land_hi for n in ext.needs]
+
+    def in_place(self) -> tuple[list[_Extent], list[_Extent]]:
+        """See _Columns.in_place: the records' way reads everything through the batch buffer."""
+        return [], self.extents
 
     def checks(self, storage: Storage, manifest: Manifest, requests: list[tuple], executor: Executor | None):
         """(per request the check of the chunks inside it or None, the check of the chunks that
@@ -751,11 +779,16 @@ class _Columns:
         self.extents = self._extents()
         self.places = _ColumnDests(dest_boxes, dests, width, np.unique(c.dest))
 
-    def _extents(self) -> list[_Extent]:
+    def _extents(self, rows: np.ndarray | None = None) -> list[_Extent]:
         """As _extents: ranges of one file within COALESCE_GAP of each other share a landing
-        buffer; each extent's `needs` are its rows, by first landed byte."""
+        buffer; each extent's `needs` are its rows (of `rows`, default all), by first landed byte."""
         c = self.c
-        order = np.lexsort((self.land_lo, c.file))
+        if rows is None:
+            order = np.lexsort((self.land_lo, c.file))
+        else:
+            order = rows[np.lexsort((self.land_lo[rows], c.file[rows]))]
+        if not len(order):
+            return []
         f, a, b = c.file[order], self.land_lo[order], self.land_hi[order]
         new = np.ones(len(order), dtype=bool)
         if len(order) > 1:
@@ -778,6 +811,38 @@ class _Columns:
 
     def bounds(self, ext: _Extent) -> tuple[list[int], list[int]]:
         return self.land_lo[ext.needs].tolist(), self.land_hi[ext.needs].tolist()
+
+    def in_place(self) -> tuple[list[_Extent], list[_Extent]]:
+        """(extents of one row each whose buffer is the destination memory the row's bytes go to:
+        rows of at least IN_PLACE_MIN bytes that are one run of a plain destination and whose
+        bytes are whole checksum chunks, so that reading them there and checking them there is
+        their install; the extents of the other rows)."""
+        rows = np.arange(len(self.c.dest))
+        one_run, first = self._one_runs(rows)
+        ok = one_run & (self.lo == self.land_lo) & (self.hi == self.land_hi) & (self.hi - self.lo >= IN_PLACE_MIN)
+        out = []
+        for r, f in zip(np.flatnonzero(ok).tolist(), first[ok].tolist()):
+            size, n = int(self.itemsize[r]), int(self.hi[r] - self.lo[r])
+            ext = _Extent(int(self.c.file[r]), int(self.lo[r]), int(self.hi[r]), rows[r:r + 1])
+            ext.buf = self.places.flat_bytes(int(self.c.dest[r]))[f * size:f * size + n]
+            out.append(ext)
+        return out, self._extents(np.flatnonzero(~ok)) if out else self.extents
+
+    def _one_runs(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of `rows`: whether its region is one run of its plain destination (its bytes
+        copied by one memmove), and the region's first element in that destination."""
+        c, places = self.c, self.places
+        dest, lo, hi = c.dest[rows], self.lo[rows], self.hi[rows]
+        lengths, itemsize = c.lengths[rows], self.itemsize[rows]
+        numel = lengths.prod(axis=1)
+        whole = lengths == places.box_len[dest]
+        tail = np.ones_like(whole)   # tail[:, d]: every dimension after d is whole
+        if whole.shape[1] > 1:
+            tail[:, :-1] = np.logical_and.accumulate(whole[:, ::-1], axis=1)[:, ::-1][:, 1:]
+        first = ((c.offsets[rows] - places.box_off[dest]) * places.box_strides[dest]).sum(axis=1)
+        one_run = (places.plain[dest] & (numel * itemsize == hi - lo) & ((lengths == 1) | tail).all(axis=1)
+                   & (first + numel <= places.numel[dest]))
+        return one_run, first
 
     def checks(self, storage: Storage, manifest: Manifest, requests: list[tuple], executor: Executor | None):
         """As _Records.checks, from arrays: each chunk any row reads, once, checked by the reader
@@ -852,16 +917,8 @@ class _Columns:
         threads when given), small strided regions by index, the rest one strided copy each."""
         c, places = self.c, self.places
         rows = ext.needs
-        dest, lo, hi = c.dest[rows], self.lo[rows], self.hi[rows]
-        lengths, itemsize = c.lengths[rows], self.itemsize[rows]
-        numel = lengths.prod(axis=1)
-        whole = lengths == places.box_len[dest]
-        tail = np.ones_like(whole)   # tail[:, d]: every dimension after d is whole
-        if whole.shape[1] > 1:
-            tail[:, :-1] = np.logical_and.accumulate(whole[:, ::-1], axis=1)[:, ::-1][:, 1:]
-        first = ((c.offsets[rows] - places.box_off[dest]) * places.box_strides[dest]).sum(axis=1)
-        one_run = (places.plain[dest] & (numel * itemsize == hi - lo) & ((lengths == 1) | tail).all(axis=1)
-                   & (first + numel <= places.numel[dest]))
+        dest, lo, hi, itemsize = c.dest[rows], self.lo[rows], self.hi[rows], self.itemsize[rows]
+        one_run, first = self._one_runs(rows)
         base = ext.buf.data_ptr() - ext.start
         runs = np.flatnonzero(one_run)
         if len(runs):
@@ -957,12 +1014,20 @@ class _ColumnDests:
             self.box_strides[:, d] = self.box_strides[:, d + 1] * self.box_len[:, d + 1]
         self._detached: dict[int, torch.Tensor] = {}
 
-    def view(self, d: int, offsets: list[int], lengths: tuple[int, ...]) -> torch.Tensor:
-        """The region (offsets, lengths: unpadded, global coordinates) of destination d, as a
-        view of its detached data."""
+    def _data(self, d: int) -> torch.Tensor:
         t = self._detached.get(d)
         if t is None:
             t = self._detached[d] = self.dests[d].detach()
+        return t
+
+    def flat_bytes(self, d: int) -> torch.Tensor:
+        """Plain destination d's memory as one run of bytes."""
+        return self._data(d).reshape(-1).view(torch.uint8)
+
+    def view(self, d: int, offsets: list[int], lengths: tuple[int, ...]) -> torch.Tensor:
+        """The region (offsets, lengths: unpadded, global coordinates) of destination d, as a
+        view of its detached data."""
+        t = self._data(d)
         if not t.dim():
             return t
         width = self.box_off.shape[1]
