@@ -71,7 +71,7 @@ def _total(wanted, full) -> int:
     return sum(math.prod(b.lengths) * full[n].element_size() for n, b in wanted)
 
 
-def _land(path, wanted, dests, *, records=False, pool=None, shared=True):
+def _land(path, wanted, dests, *, records=False, pool=None, shared=True, budget=None):
     """land_tensors of `wanted` into `dests`, every file read through the page cache (`shared`):
     (the Landing, the timer)."""
     from omnickpt.engine.load import land_tensors
@@ -83,9 +83,10 @@ def _land(path, wanted, dests, *, records=False, pool=None, shared=True):
     manifest = read_manifest(storage)
     plan = plan_reads(manifest, wanted)
     timer = PhaseTimer()
+    more = {} if budget is None else {"budget": budget}
     landing = land_tensors(storage, manifest, list(plan) if records else plan, [b for _, b in wanted], dests,
                            None, verify=True, timer=timer, pool=pool,
-                           shared_files=range(len(manifest.files)) if shared else ())
+                           shared_files=range(len(manifest.files)) if shared else (), **more)
     return landing, timer
 
 
@@ -228,3 +229,29 @@ def test_two_ranks_loading_in_two_passes_install_all_or_nothing(tmp_path):
     for rank, (kind, msg, untouched) in enumerate(run_ranks(2, _two_ranks, str(tmp_path / "bad"), True)):
         assert kind == "corrupt" and untouched, (rank, msg)
         assert "checksum mismatch" in msg and ("failed on another rank: rank 1" in msg) == (rank == 0), (rank, msg)
+
+
+def test_a_staging_budget_below_a_batch_bounds_the_batch_buffer(tmp_path, monkeypatch):
+    # Checkpointer(staging_budget=...) below REREAD_BATCH: the batches are cut to the budget's largest
+    # buffer, and the pool never holds more than the budget (a larger request would get memory
+    # outside the pool, uncounted).
+    import omnickpt.engine.load as engine_load
+    from omnickpt.engine.staging import StagingPool
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 256 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    state = {f"w{i}": torch.randn(64, 128 + i) for i in range(40)}   # ~1.3 MB, boxes of ~33 KB
+    path = str(tmp_path / "ck")
+    omnickpt.save(path, {n: ShardSpec(t, (0, 0), t.shape, name=n) for n, t in state.items()})
+    wanted = [(n, Box.full(t.shape)) for n, t in state.items()]
+
+    class Asked(StagingPool):
+        def acquire(self, nbytes, **kw):
+            self.asked = max(getattr(self, "asked", 0), nbytes)
+            return super().acquire(nbytes, **kw)
+
+    pool = Asked(budget=96 << 10)
+    dests = [torch.zeros(t.shape) for t in state.values()]
+    landing, timer = _land(path, wanted, dests, pool=pool, budget=pool.largest)
+    landing.install()
+    assert "reread" in timer.seconds and pool.asked <= pool.largest and pool.peak <= 96 << 10, (pool.asked, pool.peak)
+    assert all(torch.equal(d, t) for d, t in zip(dests, state.values()))

@@ -600,8 +600,11 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     local = getattr(storage, "read_direct", None) is not None
     direct_files = set() if not local else {e.file for e in way.extents} - set(shared_files)
     twice = local and _reread(way, direct_files, pool)
+    # A staging budget below a batch bounds the batch buffer too (its request adds a page of
+    # alignment and the extents' padding: leave room for them).
+    step = min(REREAD_BATCH, max(budget - 2 * _PAGE, _PAGE))
     if twice:
-        batches = _batches(_split(way.extents, way.bounds, REREAD_BATCH), REREAD_BATCH)
+        batches = _batches(_split(way.extents, way.bounds, step), step)
         k = int(len(batches) * start_at) % len(batches)
         batches = batches[k:] + batches[:k]   # ranks sharing the files start at different places
     else:
@@ -614,7 +617,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
         with timer.phase(phase):
             offsets, total = _batch_layout(batch)
             # a pool's buffers are page-aligned; fresh memory may not be. Read twice: one size, one buffer.
-            raw = acquire(max(total, REREAD_BATCH if twice else 0) + _PAGE)
+            raw = acquire(max(total, step if twice else 0) + _PAGE)
             held.append(raw)
             shift = -raw.data_ptr() % _PAGE
             requests, packed = _carve(batch, raw[shift:shift + total], offsets, request_of)
@@ -686,7 +689,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
                     if straddling is not None:
                         with timer.phase("verify"):
                             straddling()
-                again = _batches(_split(rest, way.bounds, REREAD_BATCH), REREAD_BATCH) if rest else [[]]
+                again = _batches(_split(rest, way.bounds, step), step) if rest else [[]]
                 for i, batch in enumerate(again):
                     if batch:
                         read(batch, "reread")
