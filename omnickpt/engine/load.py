@@ -1139,11 +1139,11 @@ def _reread(way, direct_files: Collection[int], pool: StagingPool | None) -> boo
     everything, then read again from the page cache and install) instead of in one buffer as large
     as the rank's bytes: where every file is read through the page cache (none from the device
     into the buffer), the bytes are verified plain chunks, more than REREAD_MIN of them, and the
-    pool holds no idle buffer that large. Such a buffer is fresh memory in a restarted process: faulting it in costs more than
-    the second copy from the cache (0.3 s per 806 MB at best here, 1.5 s and more when the
-    machine hands out pages it has not used since boot), and it raises the load's peak memory by
-    the rank's bytes. A warm buffer (a second load, a load after saves of as many bytes) lands the
-    bytes once."""
+    pool holds no idle buffer that large. Such a buffer is fresh memory in a restarted process,
+    and faulting it in costs more than the second read from the cache (0.3 s per 806 MB at best
+    here, 1.5 s and more when the machine hands out pages it has not used since boot); it also
+    raises the load's peak memory by the rank's bytes. A warm buffer (a second load, a load after
+    saves of as many bytes) lands the bytes once."""
     if not way.verify or way.direct or direct_files or any(e.sums is not None for e in way.extents):
         return False
     total = sum(e.end - e.start for e in way.extents)
