@@ -48,7 +48,8 @@ def _saved(tmp_path, seed: int):
     for i in range(6):
         shape = (rng.randint(1, 40), rng.randint(1, 40)) if i else (100, 100)
         dtype = rng.choice([torch.float32, torch.float16, torch.int64, torch.int8])
-        full[f"t{i}"] = torch.randint(-100, 100, shape, generator=torch.Generator().manual_seed(seed * 10 + i)).to(dtype)
+        gen = torch.Generator().manual_seed(seed * 10 + i)
+        full[f"t{i}"] = torch.randint(-100, 100, shape, generator=gen).to(dtype)
         tiles = _tiles(rng, shape) if i else [Box((r, 0), (10, 100)) for r in range(0, 100, 10)]
         for k, b in enumerate(tiles):
             state[f"t{i}.{k}"] = ShardSpec(_region(full[f"t{i}"], b).clone(), b.offsets, shape, name=f"t{i}")
