@@ -613,14 +613,19 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     def request_of(ext: _Extent) -> int:
         return DIRECT_REQUEST if ext.file in direct_files else MAX_REQUEST
 
-    def read(batch: list[_Extent], phase: str = "read") -> None:
+    def read(batch: list[_Extent], phase: str = "read", placed: bool = False) -> None:
+        """Read and check `batch` into one landing buffer, or (`placed`) into the buffers its
+        extents hold already (their destinations: a second pass's in-place reads)."""
         with timer.phase(phase):
-            offsets, total = _batch_layout(batch)
-            # a pool's buffers are page-aligned; fresh memory may not be. Read twice: one size, one buffer.
-            raw = acquire(max(total, step if twice else 0) + _PAGE)
-            held.append(raw)
-            shift = -raw.data_ptr() % _PAGE
-            requests, packed = _carve(batch, raw[shift:shift + total], offsets, request_of)
+            if placed:
+                requests, packed = _requests(batch, request_of)
+            else:
+                offsets, total = _batch_layout(batch)
+                # a pool's buffers are page-aligned; fresh memory may not be. Read twice: one size, one buffer.
+                raw = acquire(max(total, step if twice else 0) + _PAGE)
+                held.append(raw)
+                shift = -raw.data_ptr() % _PAGE
+                requests, packed = _carve(batch, raw[shift:shift + total], offsets, request_of)
             checks, straddling = way.checks(storage, manifest, requests, executor)
             if start_at and requests:
                 k = int(len(requests) * start_at) % len(requests)
@@ -681,14 +686,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
                 # it and verified there; the rest goes through the batch buffer.
                 direct, rest = way.in_place()
                 if direct:
-                    with timer.phase("reread"):
-                        requests, _ = _requests(direct, request_of)
-                        checks, straddling = way.checks(storage, manifest, requests, executor)
-                        _fetch_plain(storage, manifest, requests, checks, way.describe, direct_files, executor)
-                        timer.count("reread", sum(e.end - e.start for e in direct))
-                    if straddling is not None:
-                        with timer.phase("verify"):
-                            straddling()
+                    read(direct, "reread", placed=True)
                 again = _batches(_split(rest, way.bounds, step), step) if rest else [[]]
                 for i, batch in enumerate(again):
                     if batch:
