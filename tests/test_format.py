@@ -18,6 +18,7 @@ from omnickpt.format import (CHUNK_BYTES, FORMAT_VERSION, MAGIC, ColumnTable, Su
                              decode_object, dtype_from_name, dtype_name, encode_object)
 from omnickpt.format.checksum import checksum as crc32c_of
 from omnickpt.format.manifest import _PRELUDE, WindowBox
+from omnickpt.format.records import table_span
 from omnickpt.format.objects import _NDARRAY, _PICKLE
 
 import msgpack
@@ -323,6 +324,65 @@ def test_a_million_boxes_round_trip_in_columns():
     c = back.tensors["t"].columns
     assert len(c) == n and (c.offsets[:, 0] == rows).all() and (c.crcs == table.crcs).all()
     assert (c.offset == table.offset).all() and (c.file == table.file).all()
+
+
+def _table_manifest(order=None, compression=None, quantized=None):
+    """A manifest as a save builds it: every tensor's rows of one ColumnTable (padded to 3 dims),
+    tensors of rank 0 to 3, one without boxes, several boxes and chunks per tensor."""
+    specs = [("step", (), 1), ("bias", (8,), 2), ("empty", (0, 4), 0), ("w", (6, 4), 3), ("cube", (2, 3, 4), 2)]
+    offs, lens, nbytes, counts, entries, row = [], [], [], [], [], 0
+    for name, shape, n in specs:
+        for i in range(n):
+            lead = shape[0] // n if shape else 1
+            o = [i * lead] + [0] * (len(shape) - 1) if shape else []
+            ln = [lead] + list(shape[1:]) if shape else []
+            offs.append(o + [0] * (3 - len(o)))
+            lens.append(ln + [0] * (3 - len(ln)))
+            nb = 4 * math.prod(ln) if shape else 4
+            nbytes.append(nb)
+            counts.append(-(-nb // 16))
+        entries.append((name, shape, row, row + n))
+        row += n
+    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    k = int(starts[-1])
+    table = ColumnTable(offsets=np.array(offs, dtype=np.int64), lengths=np.array(lens, dtype=np.int64),
+                        file=np.arange(row, dtype=np.int64) % 2, offset=np.cumsum([0] + nbytes[:-1]).astype(np.int64),
+                        nbytes=np.array(nbytes, dtype=np.int64), sums_start=starts,
+                        crcs=(np.arange(k) * 2654435761 % (1 << 32)).astype(np.uint32), chunk_bytes=16,
+                        stored=None if compression is None else np.arange(1, k + 1, dtype=np.int64), codec=compression)
+    quantized = quantized or {}
+    tensors = {name: table.entry(shape, "float32", a, b, quantized.get(name, {}).get("scheme"))
+               for name, shape, a, b in ([entries[i] for i in order] if order else entries)}
+    files = [FileEntry(f"data/x-r{r:05d}.bin", r, 1000) for r in range(2)]
+    return Manifest(save_id="x", world_size=2, files=files, tensors=tensors, objects={}, chunk_bytes=16,
+                    compression=compression, quantized=quantized, created=1.0)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_saves_table_encodes_in_bulk_to_the_bytes_of_its_entries_one_by_one(compression):
+    bulk = _table_manifest(compression=compression)
+    assert table_span(list(bulk.tensors.values())) is not None
+    one_by_one = _table_manifest(compression=compression)
+    for t in one_by_one.tensors.values():
+        t.columns   # decoded: no longer the table's rows, so encoded tensor by tensor
+    assert table_span(list(one_by_one.tensors.values())) is None
+    data = bulk.encode()
+    assert data == one_by_one.encode()
+    back = Manifest.decode(data)
+    for name, t in _table_manifest(compression=compression).tensors.items():
+        assert back.tensors[name] == t, name
+    # Entries not in the table's row order are encoded one by one, to the same manifest.
+    shuffled = _table_manifest(order=[3, 0, 4, 2, 1], compression=compression)
+    assert table_span(list(shuffled.tensors.values())) is None
+    assert Manifest.decode(shuffled.encode()).tensors == back.tensors
+
+
+def test_a_saves_table_with_a_codec_the_manifest_does_not_name_is_refused_in_bulk_too():
+    m = _table_manifest(compression="zstd", quantized={"w": {"scheme": "int8", "max_error": 0.5}})
+    assert Manifest.decode(m.encode()).quantized["w"]["scheme"] == "int8"
+    m.quantized = {}
+    with pytest.raises(ValueError, match="tensor 'w': its boxes are stored with compression 'int8'"):
+        m.encode()
 
 
 def test_every_supported_dtype_has_a_stable_name():

@@ -223,10 +223,19 @@ def stored_columns(m: Manifest, name: str, t: TensorEntry) -> BoxColumns:
     chunks of the manifest's chunk_bytes, with the manifest's compression (or the tensor's own
     quantization). ValueError otherwise: derived manifests (transforms) are never stored."""
     c = t.columns
-    if c is None or (len(c) and c.chunk_bytes != m.chunk_bytes):
+    if c is None:
         raise ValueError(f"tensor {name!r}: its boxes have no checksum grid of their own bytes in chunks of "
                          f"{m.chunk_bytes}; only stored boxes can be encoded")
-    if len(c) and c.codec != m.compression and c.codec != m.quantized.get(name, {}).get("scheme"):
-        raise ValueError(f"tensor {name!r}: its boxes are stored with compression {c.codec!r}, the manifest "
-                         f"says {m.compression!r}")
+    check_stored(m, name, len(c), c.chunk_bytes, c.codec)
     return c
+
+
+def check_stored(m: Manifest, name: str, boxes: int, chunk_bytes: int | None, codec: str | None) -> None:
+    """ValueError unless `boxes` boxes of tensor `name` on a grid of `chunk_bytes` stored with `codec`
+    can be encoded in `m` (see stored_columns)."""
+    if boxes and chunk_bytes != m.chunk_bytes:
+        raise ValueError(f"tensor {name!r}: its boxes have no checksum grid of their own bytes in chunks of "
+                         f"{m.chunk_bytes}; only stored boxes can be encoded")
+    if boxes and codec != m.compression and codec != m.quantized.get(name, {}).get("scheme"):
+        raise ValueError(f"tensor {name!r}: its boxes are stored with compression {codec!r}, the manifest "
+                         f"says {m.compression!r}")

@@ -380,6 +380,13 @@ class TensorEntry:
         return len(self.columns)
 
     @property
+    def table_rows(self) -> "_TableRows | None":
+        """Its rows of a save's ColumnTable while nobody has asked for its boxes or columns (a
+        manifest a save just built), else None: see table_span."""
+        load = self._load
+        return load if type(load) is _TableRows and self._boxes is None else None
+
+    @property
     def pending(self):
         """The undecoded rows of a lazily decoded entry that can be joined with others' in bulk
         (see joined_columns), else None."""
@@ -399,6 +406,51 @@ class TensorEntry:
 
     def __repr__(self) -> str:
         return f"TensorEntry(shape={tuple(self.shape)}, dtype={self.dtype!r}, boxes={self.box_count})"
+
+
+@dataclass(frozen=True)
+class TableSpan:
+    """Consecutive rows [a, b) of one ColumnTable that hold the boxes of some entries, in their
+    order: `starts[i]:starts[i + 1]` (relative to a) are entry i's rows, `ndims[i]` its rank."""
+    table: ColumnTable
+    a: int
+    b: int
+    starts: np.ndarray   # [n + 1] int64, relative to a
+    ndims: np.ndarray    # [n] int64
+    codecs: list         # [n] each entry's codec (its own, or the table's)
+
+    def flat(self, column: np.ndarray) -> np.ndarray:
+        """Offsets or lengths ([N, D] padded) of the span's rows, each row cut to its entry's rank
+        and all concatenated: what the entries' own columns reshaped to 1-D and joined would be."""
+        rows = column[self.a:self.b]
+        ranks = np.repeat(self.ndims, np.diff(self.starts))
+        return rows[np.arange(rows.shape[1]) < ranks[:, None]]
+
+    def chunks(self) -> tuple[int, int]:
+        """[first, end) of the span's checksums in the table's crcs (and stored lengths)."""
+        s = self.table.sums_start
+        return int(s[self.a]), int(s[self.b])
+
+
+def table_span(entries: "list[TensorEntry]") -> TableSpan | None:
+    """When every entry still holds only its rows of one ColumnTable, the rows of each following
+    the rows of the one before, those rows as one span: a save's manifest is then encoded straight
+    from the table's columns instead of a BoxColumns per tensor (24,000 tensors took 0.3 s that
+    way). None otherwise (an edited, decoded or derived entry): then per entry."""
+    rows = [e.table_rows for e in entries]
+    if not rows or any(r is None for r in rows):
+        return None
+    table = rows[0].table
+    if any(r.table is not table for r in rows):
+        return None
+    n = len(rows)
+    a = np.fromiter((r.a for r in rows), dtype=np.int64, count=n)
+    b = np.fromiter((r.b for r in rows), dtype=np.int64, count=n)
+    if (a[1:] != b[:-1]).any() or (b < a).any():
+        return None
+    starts = np.concatenate((a[:1], b)) - a[0]
+    return TableSpan(table, int(a[0]), int(b[-1]), starts,
+                     np.fromiter((r.ndim for r in rows), dtype=np.int64, count=n), [r.codec for r in rows])
 
 
 def joined_columns(entries: "list[TensorEntry]") -> BoxColumns:

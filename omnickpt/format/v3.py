@@ -25,9 +25,9 @@ from omnickpt.format.checksum import checksum
 from omnickpt.format.codec import TENSOR_CODECS
 from omnickpt.format.header import (MAX_DIMS, MAX_INT, MAX_VERSION, check_version, chunk_bytes_field, corrupt,
                                     decode_files, decode_manifest_fields, encode_header, int_field, ints_field,
-                                    json_document, refuse_constant, stored_columns)
+                                    json_document, refuse_constant, stored_columns, check_stored)
 from omnickpt.format.quant import QUANT_DTYPES
-from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TensorEntry, dtype_from_name
+from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TableSpan, TensorEntry, dtype_from_name, table_span
 from omnickpt.layout import bulk_disjoint, overlap_problem_arrays, spans
 
 if TYPE_CHECKING:   # Manifest sits above the codecs (format/manifest.py), which hands its class to them
@@ -69,11 +69,16 @@ def encode(m: Manifest) -> bytes:
     by tensor in index order. ValueError for boxes that are not stored ones (a derived manifest)."""
     header = encode_header(m)
     names = _columns_of(m)
-    index, cols = {}, {k: [] for k in names}
-    for name, t in m.tensors.items():
-        index[name] = _index_record(m, name, t, cols)
+    span = None if m.block_bytes else table_span(list(m.tensors.values()))
+    if span is not None:
+        index, arrays = _span_index(m, span)
+    else:
+        index, cols = {}, {k: [] for k in names}
+        for name, t in m.tensors.items():
+            index[name] = _index_record(m, name, t, cols)
+        arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in cols.items()}
     header["tensors"] = index
-    header["arrays"], blobs, pos = _pack_arrays(names, cols)
+    header["arrays"], blobs, pos = _pack_arrays(names, arrays)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(len(head) + PRELUDE.size) % _ALIGN)   # arrays start aligned
     body = b"".join([head] + blobs)
@@ -83,10 +88,7 @@ def encode(m: Manifest) -> bytes:
 def _index_record(m: Manifest, name: str, t: TensorEntry, cols: dict[str, list]) -> dict:
     """Tensor `name`'s record of the header's index; its rows appended to `cols`."""
     c = stored_columns(m, name, t)
-    record = {"shape": list(t.shape), "dtype": t.dtype, "boxes": len(c), "chunks": len(c.crcs)}
-    if name in m.quantized:
-        record["codec"] = m.quantized[name]["scheme"]
-        record["max_error"] = float(m.quantized[name]["max_error"])
+    record = _record(m, name, t, len(c), len(c.crcs))
     if m.block_bytes:
         h = np.asarray(m.hashes.get(name, np.zeros(0, dtype=np.uint64)), dtype=np.uint64)
         record["blocks"] = int(h.size)
@@ -101,11 +103,39 @@ def _index_record(m: Manifest, name: str, t: TensorEntry, cols: dict[str, list])
     return record
 
 
-def _pack_arrays(names: tuple[str, ...], cols: dict[str, list]) -> tuple[dict, list[bytes], int]:
+def _record(m: Manifest, name: str, t: TensorEntry, boxes: int, chunks: int) -> dict:
+    record = {"shape": list(t.shape), "dtype": t.dtype, "boxes": boxes, "chunks": chunks}
+    q = m.quantized.get(name)
+    if q is not None:
+        record["codec"] = q["scheme"]
+        record["max_error"] = float(q["max_error"])
+    return record
+
+
+def _span_index(m: Manifest, span: TableSpan) -> tuple[dict, dict[str, np.ndarray]]:
+    """The index and the arrays of a manifest whose tensors are one span of a save's table, in
+    bulk: what _index_record gives tensor by tensor, without a BoxColumns per tensor."""
+    t = span.table
+    rows = span.a + span.starts
+    boxes = np.diff(span.starts).tolist()
+    chunks = np.diff(t.sums_start[rows]).tolist()
+    index = {}
+    for i, (name, e) in enumerate(m.tensors.items()):
+        check_stored(m, name, boxes[i], t.chunk_bytes, span.codecs[i])
+        index[name] = _record(m, name, e, boxes[i], chunks[i])
+    c0, c1 = span.chunks()
+    arrays = {"offsets": span.flat(t.offsets), "lengths": span.flat(t.lengths), "file": t.file[span.a:span.b],
+              "offset": t.offset[span.a:span.b], "crcs": t.crcs[c0:c1]}
+    if m.compression:
+        arrays[_STORED] = t.stored[c0:c1] if t.stored is not None else np.zeros(0, dtype=np.int64)
+    return index, arrays
+
+
+def _pack_arrays(names: tuple[str, ...], cols: dict[str, np.ndarray]) -> tuple[dict, list[bytes], int]:
     """(the header's description of the arrays, their bytes with padding, their total length)."""
     arrays, blobs, pos = {}, [], 0
     for k in names:
-        a = np.concatenate(cols[k]) if cols[k] else np.zeros(0, dtype=np.int64)
+        a = cols[k]
         a = a.astype("<u4") if k == "crcs" else a.astype("<u8") if k == _HASHES else _narrow_array(a)
         arrays[k] = {"dtype": a.dtype.str, "count": int(a.size), "offset": pos}
         blob = a.tobytes()
