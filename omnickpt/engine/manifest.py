@@ -18,7 +18,6 @@ from omnickpt.format import (
     FileEntry,
     Manifest,
     ObjectEntry,
-    TensorEntry,
     dtype_from_name,
 )
 from omnickpt.planner import GlobalPlan
@@ -37,10 +36,8 @@ def build_manifest(plan: GlobalPlan, results: list[RankResult], *, save_id: str,
     bounds = np.searchsorted(tid, np.arange(len(plan.names) + 1))
     # Every tensor any rank holds gets an entry, even if all its boxes are empty.
     quantized = _quantized_tensors(plan, results)
-    tensors: dict[str, TensorEntry] = {
-        name: table.entry(plan.shapes[t], plan.dtypes[t], int(bounds[t]), int(bounds[t + 1]),
-                          quantized.get(name, {}).get("scheme"))
-        for t, name in enumerate(plan.names)}
+    tensors = table.entries(plan.names, plan.shapes, plan.dtypes, bounds.tolist(),
+                            {name: q["scheme"] for name, q in quantized.items()})
     block_hashes = _block_hashes(plan, boxes, order, bounds) if incremental is not None else {}
     inc = incremental or {}
     return Manifest(save_id=save_id, world_size=len(results), files=files, tensors=tensors,
@@ -111,6 +108,8 @@ def _quantized_tensors(plan: GlobalPlan, results: list[RankResult]) -> dict[str,
     """Per quantized tensor: its scheme and the largest error any rank's chunks of it made. Every
     box of a tensor must be stored alike (the manifest holds one codec per tensor)."""
     out: dict[str, dict] = {}
+    if not any(r.quantized for r in results):
+        return out      # nothing quantized: no codecs to mix (and no loop over 10^4 writes)
     of_tensor: dict[int, set] = {}
     for r in results:
         a = int(plan.write_start[r.rank])

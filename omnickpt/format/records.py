@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -306,9 +307,20 @@ class ColumnTable:
         return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape), dtype_from_name(dtype).itemsize,
                                                          dtype, codec or self.codec))
 
+    def entries(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
+                bounds: Sequence[int], codecs: Mapping[str, str]) -> "dict[str, TensorEntry]":
+        """name -> entry() of rows [bounds[i], bounds[i + 1]) for every tensor i: a save's manifest
+        makes one per tensor (10^4 and more), so the itemsize is looked up once per dtype."""
+        itemsize = {d: dtype_from_name(d).itemsize for d in set(dtypes)}
+        rows = _TableRows
+        return {name: TensorEntry(shape, dtype, load=rows(self, a, b, len(shape), itemsize[dtype], dtype,
+                                                          codecs.get(name) or self.codec))
+                for name, shape, dtype, a, b in zip(names, shapes, dtypes, bounds[:-1], bounds[1:])}
 
-@dataclass(frozen=True)
-class _TableRows:
+
+class _TableRows(NamedTuple):
+    """Rows [a, b) of a ColumnTable: one tensor's entry, made into its BoxColumns on first use.
+    A tuple: a save makes one per tensor, and a frozen dataclass costs several times more."""
     table: ColumnTable
     a: int
     b: int
