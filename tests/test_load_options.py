@@ -100,6 +100,11 @@ def test_metadata_is_stored_in_the_manifest_and_validated(tmp_path):
         assert manifest_document(f.read())["layout"]["metadata"] == {"id2label": {"0": "a"}, "t": [1, 2]}
     with pytest.raises(TypeError):
         omnickpt.save(str(tmp_path / "d"), {"model": model}, metadata=["not a dict"])
+    # Values the fast JSON writer refuses or writes otherwise come back exactly: an integer beyond
+    # 64 bits (a seed, a hash), text beyond ASCII.
+    exact = {"seed": 2 ** 70 + 1, "name": "modèle 模型", "small": 1e-300}
+    omnickpt.save(str(tmp_path / "f"), {"model": model}, metadata=exact).wait()
+    assert omnickpt.read_manifest(omnickpt.storage.storage_for(str(tmp_path / "f"))).layout["metadata"] == exact
 
 
 def _fsdp2_save(rank, world_size, path):

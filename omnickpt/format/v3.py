@@ -24,7 +24,7 @@ from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format.checksum import checksum
 from omnickpt.format.codec import TENSOR_CODECS
 from omnickpt.format.header import (MAX_DIMS, MAX_INT, MAX_VERSION, check_version, chunk_bytes_field, corrupt,
-                                    decode_files, decode_manifest_fields, encode_header, int_field, ints_field,
+                                    decode_files, decode_manifest_fields, dumps_json, encode_header, int_field, ints_field,
                                     json_document, refuse_constant, stored_columns, check_stored)
 from omnickpt.format.quant import QUANT_DTYPES
 from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TableSpan, TensorEntry, dtype_from_name, table_span
@@ -79,7 +79,7 @@ def encode(m: Manifest) -> bytes:
         arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in cols.items()}
     header["tensors"] = index
     header["arrays"], blobs, pos = _pack_arrays(names, arrays)
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = dumps_json(header)
     head += b" " * (-(len(head) + PRELUDE.size) % _ALIGN)   # arrays start aligned
     body = b"".join([head] + blobs)
     return PRELUDE.pack(MAGIC, m.version, len(head), pos, checksum(body), 0) + body
@@ -287,14 +287,12 @@ def _index_tensors(m: Manifest, index: dict, raw: dict, where: str, wanted: set 
     store = _Rows(raw, m.chunk_bytes, m.compression)
     if sel:
         _validate_rows(m, store, idx, sel, where)
-    m.tensors = {}
     # Plain lists: indexing a numpy array per tensor makes a numpy scalar each time (10^4 tensors).
     row0, elem0, crc0 = idx.row0.tolist(), idx.elem0.tolist(), idx.crc0.tolist()
     names, shapes, dtypes, itemsizes, codecs = idx.names, idx.shapes, idx.dtypes, idx.itemsizes, idx.codecs
-    for i in sel:
-        shape = shapes[i]
-        m.tensors[names[i]] = TensorEntry(shape, dtypes[i], load=_Slice(
-            store, row0[i], row0[i + 1], elem0[i], len(shape), crc0[i], itemsizes[i], dtypes[i], codecs[i]))
+    m.tensors = {names[i]: TensorEntry(shapes[i], dtypes[i], load=_Slice(
+        store, row0[i], row0[i + 1], elem0[i], len(shapes[i]), crc0[i], itemsizes[i], dtypes[i], codecs[i]))
+        for i in sel}
 
 
 def _read_index(m: Manifest, index: dict, where: str, wanted: set | None) -> _Index:
@@ -522,10 +520,11 @@ class _Rows:
         return wide
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Slice:
-    """One tensor's rows of a _Rows: made into BoxColumns on first use (slots: one per tensor of a
-    decoded manifest, 10^4 and more)."""
+    """One tensor's rows of a _Rows: made into BoxColumns on first use (slots, and not frozen,
+    whose __init__ sets each field through object.__setattr__: one per tensor of a decoded
+    manifest, 10^4 and more). Never changed after it is made."""
     store: _Rows
     row0: int
     row1: int
