@@ -218,14 +218,15 @@ def _nograd(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
 
 
-def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_Param],
+def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_Param], states: list[dict | None],
                      wanted: dict[str, list[tuple[str, str]]], saved_kind: str | None) -> str | None:
     """Why the checkpoint's optimizer state cannot be installed into `optimizer`, or None.
 
     Per parameter, the tensor state keys saved (from the manifest's names) must be the ones the
     optimizer holds, where it holds state already. Where it holds none (never stepped: the usual
     resume), the recorded class must be the optimizer's or one of its bases (Adam's state loads into
-    AdamW); checkpoints that recorded no class are judged by their keys alone.
+    AdamW); checkpoints that recorded no class are judged by their keys alone. `states`: each
+    parameter's optimizer.state entry (None where it has none).
     """
     def saved_keys(par: _Param) -> list[str]:
         return sorted({k for fqn in par.names for k, _ in wanted.get(fqn, [])})
@@ -235,13 +236,14 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
         fix = f"load into a {saved_kind}"
     else:
         fix = "load into an optimizer of the class and options the checkpoint was saved with"
-    for par in params:
-        theirs = saved_keys(par)
-        state = optimizer.state.get(par.param)
-        if not theirs or not state:
+    for par, state in zip(params, states):
+        if not state:
             continue
-        own = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
-        if own != theirs:
+        theirs_set = {k for fqn in par.names for k, _ in wanted.get(fqn, ())}
+        if not theirs_set:
+            continue
+        if {k for k, v in state.items() if isinstance(v, torch.Tensor)} != theirs_set:
+            theirs, own = sorted(theirs_set), sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
             return (f"{key}: the checkpoint's optimizer state does not fit this optimizer: parameter {par.names[0]!r} "
                     f"has state {theirs} in the checkpoint (saved by {saved_kind or 'an unrecorded optimizer class'}) "
                     f"but {own} in the optimizer ({mine}); {fix}, or pass strict=False to load the rest and leave "
@@ -249,7 +251,7 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
     if saved_kind is None or any(saved_kind == _class_name(c) for o in (optimizer, innermost_optimizer(optimizer))
                                  for c in type(o).__mro__):
         return None
-    if any(optimizer.state.get(par.param) and saved_keys(par) for par in params):
+    if any(state and saved_keys(par) for par, state in zip(params, states)):
         return None     # another class, but the same state keys, parameter by parameter (checked above)
     theirs = sorted({k for par in params for k in saved_keys(par)})
     return (f"{key}: the checkpoint's optimizer state was saved by {saved_kind}"
@@ -306,7 +308,9 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 fqn, _, k = tname[len(prefix):].rpartition(SEP)
                 # by canonical name: checkpoints saved before names were canonical hold wrapper segments
                 wanted.setdefault(canonical_name(fqn), []).append((k, tname))
-        difference = _kind_difference(key, optimizer, params, wanted,
+        # each parameter's state looked up once (a DTensor's hash is a Python call)
+        states = [optimizer.state.get(par.param) for par in params]
+        difference = _kind_difference(key, optimizer, params, states, wanted,
                                       (manifest.layout.get("frameworks") or {}).get(key))
         if difference is not None:
             # Nothing of it is read or installed; its tensors are left unclaimed, which a strict load
@@ -315,22 +319,27 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
             target.objects.clear()
             return [difference]
         differences: list[str] = []
+        tensors = manifest.tensors
+        dtypes: dict[str, torch.dtype] = {}   # per dtype name, not per tensor
         for idx, par in enumerate(params):
             p = par.param
+            own = states[idx] or {}
             if par.flat is not None:
-                shards, dests[idx] = _flat_destinations(key, par, optimizer.state.get(p, {}), wanted, manifest)
+                shards, dests[idx] = _flat_destinations(key, par, own, wanted, manifest)
                 target.shards.extend(shards)
                 continue
             found = []
-            for k, tname in wanted.get(par.names[0], []):
-                entry = manifest.tensors[tname]
-                dtype = dtype_from_name(entry.dtype)
-                cur = optimizer.state.get(p, {}).get(k)
-                if isinstance(cur, torch.Tensor) and tuple(cur.shape) == entry.shape and cur.dtype == dtype:
+            for k, tname in wanted.get(par.names[0], ()):
+                entry = tensors[tname]
+                dtype = dtypes.get(entry.dtype)
+                if dtype is None:
+                    dtype = dtypes[entry.dtype] = dtype_from_name(entry.dtype)
+                cur = own.get(k)
+                if isinstance(cur, torch.Tensor) and cur.shape == entry.shape and cur.dtype == dtype:
                     # filled in place; detached only if it requires grad (optimizer state does not):
                     # a detach is a dispatch per DTensor, 0.3 s for 12k moments on the load path
                     dest = _nograd(cur)
-                elif tuple(p.shape) == entry.shape:
+                elif p.shape == entry.shape:
                     # zeros_like makes no graph (no detach first: a dispatch per DTensor)
                     dest = torch.zeros_like(p, dtype=dtype, requires_grad=False)
                 elif _param_changed(manifest, modules, par.names[0], p) or (
