@@ -116,6 +116,15 @@ def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - (ends - counts), counts)
 
 
+def present(indices: np.ndarray) -> np.ndarray:
+    """The distinct values of non-negative integer indices (into a list of tensors, destinations,
+    files), ascending: np.unique's result by one counting pass. np.unique hashes (numpy 2.3+) or
+    sorts: 4-40 ms for the 24,000 destinations of a load that this does in a fraction of one."""
+    if not len(indices):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.bincount(indices))
+
+
 def relative(inner: Box, outer: Box) -> Box:
     """`inner` expressed in the local coordinates of `outer` (which must contain it)."""
     return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets)), inner.lengths)

@@ -198,3 +198,11 @@ def test_layout_stays_a_leaf():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(m.startswith("omnickpt") for m in imported), imported
+
+
+def test_present_gives_np_unique_of_indices():
+    from omnickpt.layout import present
+    rng = np.random.default_rng(3)
+    for n, top in ((0, 1), (1, 1), (50, 7), (24000, 24000), (1000, 10 ** 6)):
+        a = rng.integers(0, top, size=n, dtype=np.int64)
+        assert present(a).tolist() == np.unique(a).tolist()

@@ -18,7 +18,7 @@ from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format import Manifest
 from omnickpt.format.codec import decode_into
 from omnickpt.format.manifest import Sums, WindowBox
-from omnickpt.layout import Box, contiguous_start, relative, row_major_strides, spans
+from omnickpt.layout import Box, contiguous_start, present, relative, row_major_strides, spans
 from omnickpt.monitor import PhaseTimer
 from omnickpt.planner import ReadItem, ReadPlan
 from omnickpt.planner.load_plan import ZERO_FILL, ForwardPlan
@@ -778,7 +778,7 @@ class _Columns:
         self.land_lo = c.offset + (self.lo - c.offset) // size * size
         self.land_hi = np.minimum(c.offset + c.nbytes, c.offset - (-(self.hi - c.offset) // size) * size)
         self.extents = self._extents()
-        self.places = _ColumnDests(dest_boxes, dests, width, np.unique(c.dest))
+        self.places = _ColumnDests(dest_boxes, dests, width, present(c.dest))
 
     def _extents(self, rows: np.ndarray | None = None) -> list[_Extent]:
         """As _extents: ranges of one file within COALESCE_GAP of each other share a landing

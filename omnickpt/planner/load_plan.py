@@ -9,7 +9,7 @@ import numpy as np
 from omnickpt.errors import MismatchError
 from omnickpt.format.manifest import Manifest, SavedBox, Sums, WindowBox
 from omnickpt.format.records import joined_columns
-from omnickpt.layout import Box, BoxIndex, intersect
+from omnickpt.layout import Box, BoxIndex, intersect, present
 
 # SavedBox.file of a box that is not stored at all: its elements load as zeros. Only transforms
 # make such boxes (the pad rows of a padded vocabulary, omnickpt/transforms.py); a manifest read
@@ -261,7 +261,7 @@ class ReadPlan(Sequence):
     def names(self) -> set[str]:
         out = {it.name for it in self.objects}
         if self.columns is not None:
-            out.update(self.columns.names[i] for i in np.unique(self.columns.tensor).tolist())
+            out.update(self.columns.names[i] for i in present(self.columns.tensor).tolist())
         return out
 
     def bytes_per_file(self) -> dict[int, int]:
