@@ -265,8 +265,9 @@ def test_memory_tier_keeps_every_ranks_tensor(tmp_path):
 def test_a_fitted_shard_still_refuses_local_data_of_another_shape():
     from omnickpt.adapters.base import TensorShard
     from omnickpt.layout import Box
-    ok = TensorShard.fitted("w", (4, 2), torch.float32, Box((2, 0), (2, 2)), torch.zeros(2, 2))
-    assert ok == TensorShard("w", (4, 2), torch.float32, Box((2, 0), (2, 2)), torch.zeros(2, 2))
+    local = torch.zeros(2, 2)
+    ok = TensorShard.fitted("w", (4, 2), torch.float32, Box((2, 0), (2, 2)), local)
+    assert (ok.name, ok.shape, ok.dtype, ok.box, ok.local) == ("w", (4, 2), torch.float32, Box((2, 0), (2, 2)), local)
     with pytest.raises(UnsupportedError, match="tensor 'w': local data of shape \\(3, 2\\)"):
         TensorShard.fitted("w", (4, 2), torch.float32, Box((2, 0), (2, 2)), torch.zeros(3, 2))
     assert full_shard("s", torch.zeros(())).box == Box((), ())
