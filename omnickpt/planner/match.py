@@ -65,23 +65,31 @@ def match_targets(manifest: Manifest, targets: Sequence[tuple[str, Any]], select
     object keys with the manifest. A tensor of another dtype is read as saved and converted when
     `cast` (a temporary of its box in the saved dtype), else reported."""
     select = select or Selection()
+    everything = not select.include and not select.exclude   # no pattern to try per name
     m = LoadMatch()
     ordered = sorted(manifest.tensors)   # each target's names under its prefix by bisection, not a scan per target
+    tensors = manifest.tensors
+    names_of: dict[torch.dtype, str] = {}   # dtype_name per dtype, not per shard (10^4 shards)
     for _, t in targets:
         names = {s.name for s in t.shards}
         for s in t.shards:
-            if not select.name(s.name):
+            if not everything and not select.name(s.name):
                 continue
-            entry = manifest.tensors.get(s.name)
+            entry = tensors.get(s.name)
             if entry is None:
                 m.differences.append(f"{s.name}: missing from the checkpoint")
-            elif entry.shape != s.shape:
+                continue
+            if entry.shape != s.shape:
                 m.differences.append(f"{s.name}: shape {list(entry.shape)} in the checkpoint, {list(s.shape)} in the "
                                      "target")
-            elif entry.dtype != dtype_name(s.dtype) and not cast:
-                m.differences.append(f"{s.name}: dtype {entry.dtype} in the checkpoint, {dtype_name(s.dtype)} in the "
+                continue
+            mine = names_of.get(s.dtype)
+            if mine is None:
+                mine = names_of[s.dtype] = dtype_name(s.dtype)
+            if entry.dtype != mine and not cast:
+                m.differences.append(f"{s.name}: dtype {entry.dtype} in the checkpoint, {mine} in the "
                                      "target (pass cast=True to convert)")
-            elif entry.dtype != dtype_name(s.dtype):
+            elif entry.dtype != mine:
                 landed = torch.empty(s.box.lengths, dtype=dtype_from_name(entry.dtype))
                 m.wanted.append((s.name, s.box))
                 m.dests.append(landed)
@@ -92,7 +100,7 @@ def match_targets(manifest: Manifest, targets: Sequence[tuple[str, Any]], select
         exact = t.prefix.rstrip("/")
         under = _names_under(ordered, t.prefix)
         for name in ([exact] if exact in manifest.tensors and not exact.startswith(t.prefix) else []) + under:
-            if name not in names and select.name(name):
+            if name not in names and (everything or select.name(name)):
                 m.unexpected.add(name)
         for keys, into in ((t.objects, m.object_keys), (t.objects_from_all_ranks, m.all_rank_keys)):
             for key in keys:
