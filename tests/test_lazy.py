@@ -331,3 +331,23 @@ def test_the_manager_passes_snapshot_through(tmp_path):
         fresh, fresh_opt = _plain(5)
         mgr.load_latest({"model": fresh, "optim": fresh_opt})
     assert _differ(want, local_values(fresh, fresh_opt)) == []
+
+
+def test_host_scalars_are_staged_together_with_everything_else_in_place():
+    """Step counts (0-d host tensors) of several dtypes are copied into staging in one batch per
+    dtype; other tensors, and scalars at offsets their dtype cannot be viewed at, one by one."""
+    from types import SimpleNamespace as Item
+    from omnickpt.engine import save as engine_save
+    srcs = [torch.tensor(float(i)) for i in range(50)] + [torch.tensor(i, dtype=torch.int64) for i in range(7)]
+    srcs += [torch.tensor(True), torch.arange(5, dtype=torch.float32), torch.tensor(2.5, dtype=torch.float64)]
+    at, placed = 0, []
+    for i, t in enumerate(srcs):
+        n = t.numel() * t.element_size()
+        at = at + 1 if i == len(srcs) - 1 else at   # the last float64 at an odd offset: one by one
+        placed.append((Item(index=i, nbytes=n), at))
+        at += 32
+    buf = torch.zeros(at + 64, dtype=torch.uint8)
+    engine_save._copy_into(buf, [Item(local=t) for t in srcs], placed)
+    for (w, at), t in zip(placed, srcs):
+        got = buf[at:at + w.nbytes].clone().view(t.dtype).view(t.shape)
+        assert torch.equal(got, t), (w.index, got, t)
