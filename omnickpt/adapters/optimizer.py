@@ -218,16 +218,19 @@ def _nograd(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
 
 
-def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_Param], states: list[dict | None],
-                     wanted: dict[str, list[tuple[str, str]]], saved_kind: str | None) -> str | None:
+def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_Param],
+                     wanted: dict[str, list[tuple[str, str]]], saved_kind: str | None,
+                     states: list[dict | None] | None = None) -> str | None:
     """Why the checkpoint's optimizer state cannot be installed into `optimizer`, or None.
 
     Per parameter, the tensor state keys saved (from the manifest's names) must be the ones the
     optimizer holds, where it holds state already. Where it holds none (never stepped: the usual
     resume), the recorded class must be the optimizer's or one of its bases (Adam's state loads into
     AdamW); checkpoints that recorded no class are judged by their keys alone. `states`: each
-    parameter's optimizer.state entry (None where it has none).
+    parameter's optimizer.state entry (None where it has none), looked up here when not given.
     """
+    if states is None:
+        states = [optimizer.state.get(par.param) for par in params]
     def saved_keys(par: _Param) -> list[str]:
         return sorted({k for fqn in par.names for k, _ in wanted.get(fqn, [])})
 
@@ -310,8 +313,8 @@ def load_optimizer(key: str, optimizer: torch.optim.Optimizer, modules: dict[str
                 wanted.setdefault(canonical_name(fqn), []).append((k, tname))
         # each parameter's state looked up once (a DTensor's hash is a Python call)
         states = [optimizer.state.get(par.param) for par in params]
-        difference = _kind_difference(key, optimizer, params, states, wanted,
-                                      (manifest.layout.get("frameworks") or {}).get(key))
+        difference = _kind_difference(key, optimizer, params, wanted,
+                                      (manifest.layout.get("frameworks") or {}).get(key), states)
         if difference is not None:
             # Nothing of it is read or installed; its tensors are left unclaimed, which a strict load
             # reports along with this line.
