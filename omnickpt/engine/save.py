@@ -47,7 +47,8 @@ class Snapshot:
     called once, by `settle()`, with the error if the copy failed."""
     file_bytes: int
     segments: list[Segment]
-    spans: list[memoryview]                     # one per write item
+    # one per write item; or what makes them, called on first use (`spans`), off the stall path
+    _spans: list[memoryview] | Callable[[], list[memoryview]]
     objects: list[tuple[str, int, int, memoryview]]  # key, offset, nbytes, bytes
     staging: torch.Tensor | None = None
     cuda_event: object = None
@@ -57,6 +58,13 @@ class Snapshot:
     blocking: bool = False                      # save() waits for `release` (its stall ends there)
     _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _copy_error: BaseException | None = None
+
+    @property
+    def spans(self) -> list[memoryview]:
+        """The bytes of each write item, to checksum and write."""
+        if callable(self._spans):
+            self._spans = self._spans()
+        return self._spans
 
     def finish(self, timer: PhaseTimer) -> None:
         """Background, before persisting: make the deferred copies (once: a second caller waits for
@@ -199,7 +207,8 @@ def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tupl
         for key, off, blob in placed:
             whole[off:off + len(blob)] = blob   # one copy, straight into staging
         segments = [Segment(0, whole[:total])]
-        spans = [whole[w.offset:w.offset + w.nbytes] for w in writes]
+        # a view per write (10^4 of an MoE state) is made by the background job that needs them
+        spans = functools.partial(_spans_of, whole, writes)
         objs = [(k, off, len(b), whole[off:off + len(b)]) for k, off, b in placed]
     else:
         segments, spans = _compact_segments(whole, shards, writes, layout.at)
@@ -208,6 +217,10 @@ def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tupl
     if layout.later:
         snap.deferred = _deferred_copy(snap, staging, shards, writes, layout.at, sorted(layout.later), cuda)
     return snap
+
+
+def _spans_of(whole: memoryview, writes: list[WriteItem]) -> list[memoryview]:
+    return [whole[w.offset:w.offset + w.nbytes] for w in writes]
 
 
 def _compact_segments(whole: memoryview, shards: list[TensorShard], writes: list[WriteItem], at: list[int | None]
