@@ -305,7 +305,9 @@ def _copy_into(buf: torch.Tensor, shards: list[TensorShard], placed: list[tuple[
     base, size = buf.data_ptr(), buf.numel()
     scalars: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
     rest = []
-    batch = base % 8 == 0   # the buffer can be viewed as any scalar dtype
+    # a flat byte buffer whose start lies on 8 bytes can be viewed as any scalar dtype
+    batch = buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous() and buf.storage_offset() % 8 == 0 \
+        and base % 8 == 0
     for w, at in placed:
         src = shards[w.index].local
         if batch and src.dim() == 0 and src.is_cpu and src.dtype in _SCALAR_DTYPES and w.nbytes == src.itemsize \
