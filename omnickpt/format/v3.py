@@ -23,9 +23,9 @@ import numpy as np
 from omnickpt.errors import CorruptCheckpointError
 from omnickpt.format.checksum import checksum
 from omnickpt.format.codec import TENSOR_CODECS
-from omnickpt.format.header import (MAX_DIMS, MAX_INT, MAX_VERSION, check_version, chunk_bytes_field, corrupt,
-                                    decode_files, decode_manifest_fields, dumps_json, encode_header, int_field, ints_field,
-                                    json_document, refuse_constant, stored_columns, check_stored)
+from omnickpt.format.header import (MAX_DIMS, MAX_INT, MAX_VERSION, check_stored, check_version, chunk_bytes_field,
+                                    corrupt, decode_files, decode_manifest_fields, dumps_json, encode_header, int_field,
+                                    ints_field, json_document, refuse_constant, stored_columns)
 from omnickpt.format.quant import QUANT_DTYPES
 from omnickpt.format.records import FORMAT_VERSION, BoxColumns, TableSpan, TensorEntry, dtype_from_name, table_span
 from omnickpt.layout import bulk_disjoint, overlap_problem_arrays, spans
