@@ -245,8 +245,9 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
         theirs_set = {k for fqn in par.names for k, _ in wanted.get(fqn, ())}
         if not theirs_set:
             continue
-        if {k for k, v in state.items() if isinstance(v, torch.Tensor)} != theirs_set:
-            theirs, own = sorted(theirs_set), sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+        own_set = {k for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if own_set != theirs_set:
+            theirs, own = sorted(theirs_set), sorted(own_set)
             return (f"{key}: the checkpoint's optimizer state does not fit this optimizer: parameter {par.names[0]!r} "
                     f"has state {theirs} in the checkpoint (saved by {saved_kind or 'an unrecorded optimizer class'}) "
                     f"but {own} in the optimizer ({mine}); {fix}, or pass strict=False to load the rest and leave "
