@@ -275,3 +275,41 @@ def test_an_optimizer_hook_added_later_is_seen(tmp_path, counted):
         ckpt.save(tmp_path / "c", state).wait()
     assert counted["optimizer"] == 3      # never reused once the optimizer has a state_dict hook
     _check_roundtrip(tmp_path / "c", state)
+
+
+def _dtensor_shard_edits(rank, world_size):
+    """The DTensor part of the fingerprint sees each in-place edit of a local shard it claims to
+    see (adapters/reuse.py _tensors_sig), and an untouched DTensor gives an equal fingerprint."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from omnickpt.adapters.reuse import _tensors_sig
+    mesh = init_device_mesh("cpu", (world_size,))
+    t = distribute_tensor(torch.randn(4 * world_size, 4), mesh, [Shard(0)])
+    plain = torch.randn(3)
+    before = _tensors_sig([t, plain])
+    out = {"unchanged": _tensors_sig([t, plain]) == before}
+    local = t._local_tensor
+    edits = {
+        "new data, same shard object": lambda: local.set_(local.clone()),
+        "narrowed in place": lambda: local.set_(local.untyped_storage(), 0, (2, 4), (4, 1)),
+        "transposed in place": lambda: local.as_strided_((4, 4), (1, 4)),
+        "another local shard": lambda: setattr(t, "_local_tensor", local.clone()),
+        "another spec": lambda: setattr(t, "_spec", type(t._spec)(t._spec.mesh, t._spec.placements,
+                                                                     t._spec.tensor_meta)),
+    }
+    for name, edit in edits.items():
+        saved = (t._local_tensor, t._spec)
+        keep = local.untyped_storage(), local.storage_offset(), local.shape, local.stride()
+        sig = _tensors_sig([t, plain])
+        edit()
+        out[name] = _tensors_sig([t, plain]) != sig
+        local.set_(*keep)
+        t._local_tensor, t._spec = saved
+    return out
+
+
+def test_each_in_place_edit_of_a_dtensor_shard_changes_the_fingerprint():
+    res = run_ranks(1, _dtensor_shard_edits)[0]
+    assert res.pop("unchanged") is True
+    assert all(res.values()), res
