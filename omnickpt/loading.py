@@ -5,6 +5,7 @@ pool, communicators); the save side is omnickpt.saving."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -14,6 +15,7 @@ import torch
 from omnickpt.adapters import ADAPTERS, as_registry, collect_load
 from omnickpt.comm import Comm
 from omnickpt.engine import read_objects
+from omnickpt.engine import load as engine_load
 from omnickpt.engine.load import check_file_sizes, forward_replicas, land_tensors
 from omnickpt.engine.staging import gc_paused
 from omnickpt.errors import MismatchError
@@ -115,13 +117,15 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
                                       [(item_key(it), it.nbytes) for it in job.items])
         # a process loading alone reads every file through the page cache (shared_files): no tally
         files = _files_read(job) if comm.world_size > 1 else None
-        return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job), files
+        replica = _read_set(job, files, o.verify, ckpt.landing_bytes) if not dedup else None
+        return sorted(job.unexpected), sorted(set(job.differences))[:20], wants, _where(job), files, replica
 
     gathered = comm.run_step(f"load from {path}, step plan", plan)
     _same_path([g[3] for g in gathered], "load")
     differences = _agree_on_differences(job, gathered, o.strict)
     reading = _Reading(job, comm, ckpt, o.verify, [g[2] for g in gathered] if dedup else None,
-                       set() if dedup else shared_files(comm.rank, [g[4] for g in gathered], len(job.manifest.files)))
+                       set() if dedup else shared_files(comm.rank, [g[4] for g in gathered], len(job.manifest.files)),
+                       replica_part(comm.rank, [(g[4][0] if g[4] else None, g[5]) for g in gathered]))
     # Every rank learns whether every rank read sound bytes before anything is installed (and
     # a reader that failed never leaves its peers waiting for forwarded bytes).
     comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())
@@ -141,9 +145,9 @@ class _Reading:
     and verified, then installed."""
 
     def __init__(self, job: _LoadJob, comm: Comm, ckpt: Checkpointer, verify: bool, wants: list | None,
-                 shared: set[int]):
+                 shared: set[int], part: tuple[int, int] | None = None):
         self.job, self.comm, self.ckpt, self.verify, self.wants = job, comm, ckpt, verify, wants
-        self.shared = shared
+        self.shared, self.part = shared, part
         self.forward, self.mine, self.landing = None, list(range(len(job.items))), None
 
     def land(self) -> None:
@@ -160,7 +164,8 @@ class _Reading:
         self.landing = land_tensors(job.storage, job.manifest, items, job.boxes,
                                     job.match.dests, self.ckpt._io, verify=self.verify, timer=job.timer,
                                     budget=self.ckpt.landing_bytes, pool=self.ckpt._pool, shared_files=self.shared,
-                                    start_at=self.comm.rank / self.comm.world_size if self.shared else 0.0)
+                                    start_at=self.comm.rank / self.comm.world_size if self.shared else 0.0,
+                                    verify_part=self.part)
 
     def discard(self) -> None:
         if self.landing is not None:
@@ -284,6 +289,31 @@ def shared_files(rank: int, files_read: list[tuple[str, dict[int, int]] | None],
         if any(h == host and fs.get(f, 0) * 2 >= n for r, (h, fs) in enumerate(files_read) if r != rank):
             out.add(f)
     return out
+
+
+def _read_set(job: _LoadJob, files: tuple[str, dict[int, int]] | None, verify: bool, landing_bytes: int
+              ) -> str | None:
+    """A digest of what this rank's load reads and how it lands it: every read item's key and size,
+    its destinations' shapes, strides and dtypes, `verify` and the landing size. Ranks of one machine
+    with equal digests are replicas (DDP: each reads the whole model) and split the first pass of a
+    two-pass load between them (replica_part). None where that pass never happens: a load of at most
+    REREAD_MIN bytes, or a process alone."""
+    if files is None or sum(files[1].values()) <= engine_load.REREAD_MIN:
+        return None
+    items = job.items
+    keys = items.wants() if isinstance(items, ReadPlan) else [(item_key(it), it.nbytes) for it in items]
+    dests = [(tuple(d.shape), d.stride(), str(d.dtype)) for d in job.match.dests]
+    return hashlib.blake2b(repr((keys, dests, verify, landing_bytes)).encode(), digest_size=16).hexdigest()
+
+
+def replica_part(rank: int, replicas: list[tuple[str | None, str | None]]) -> tuple[int, int] | None:
+    """(i, n) when `rank` is the i-th of n ranks of its machine whose loads read the same bytes the
+    same way (`replicas`: each rank's (machine, _read_set digest)), else None."""
+    host, digest = replicas[rank]
+    if digest is None:
+        return None
+    peers = [r for r, (h, d) in enumerate(replicas) if h == host and d == digest]
+    return (peers.index(rank), len(peers)) if len(peers) > 1 else None
 
 
 def _per_machine(path: str) -> bool:

@@ -13,7 +13,7 @@ import omnickpt
 import omnickpt.engine.load as engine_load
 from omnickpt.engine.load import _Extent, _Need, _assign_checks, _chunks_to_check
 from omnickpt.errors import CorruptCheckpointError
-from omnickpt.loading import shared_files
+from omnickpt.loading import replica_part, shared_files
 from omnickpt.storage.local import LocalStorage
 
 PAGE = 4096
@@ -335,3 +335,9 @@ def test_shared_files_are_those_another_rank_on_the_machine_reads_much_of():
     assert shared_files(5, files, 7) == {5}
     # a process alone in its group tallies nothing and reads every file of the checkpoint through the cache
     assert shared_files(0, [None], 3) == {0, 1, 2}
+
+
+def test_replicas_are_the_ranks_of_one_machine_whose_loads_read_alike():
+    ranks = [("a", "x"), ("a", "y"), ("a", "x"), ("b", "x"), ("a", None), ("b", "x"), ("c", "x")]
+    assert [replica_part(r, ranks) for r in range(len(ranks))] == [(0, 2), None, (1, 2), (0, 2), None, (1, 2), None]
+    assert replica_part(0, [(None, None)]) is None

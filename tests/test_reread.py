@@ -232,6 +232,49 @@ def test_two_ranks_loading_in_two_passes_install_all_or_nothing(tmp_path):
         assert "checksum mismatch" in msg and ("failed on another rank: rank 1" in msg) == (rank == 0), (rank, msg)
 
 
+def _replicas(rank, world, path, corrupt_row):
+    """Tensors "a" and "b" of 2 rows, row r saved by rank r (one file each); both ranks load both
+    whole (replicas, as DDP ranks do), in two passes of 4 KB batches. With `corrupt_row`, a byte of
+    b's row `corrupt_row` (in that rank's file) is flipped first."""
+    import torch.distributed as dist
+
+    import omnickpt.engine.load as engine_load
+    engine_load.REREAD_BATCH, engine_load.REREAD_MIN = BATCH, 0   # this process only
+    shape = (2, 1 << 18)               # a row: 1 MB, one checksum chunk
+    full = {n: torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * k for k, n in ((1, "a"), (3, "b"))}
+    omnickpt.save(path, {n: ShardSpec(t[rank:rank + 1].clone(), (rank, 0), shape, name=n) for n, t in full.items()})
+    if corrupt_row is not None and rank == 0:
+        from omnickpt.formats import read_manifest
+        from omnickpt.storage import storage_for
+        box = [b for b in read_manifest(storage_for(path)).tensors["b"].boxes if b.offsets[0] == corrupt_row][0]
+        _flip_box(path, box, 1000)
+    dist.barrier()
+    dests = {n: torch.full(shape, -1.0) for n in full}
+    try:
+        report = omnickpt.load(path, {n: ShardSpec(d, (0, 0), shape, name=n) for n, d in dests.items()}).report
+    except CorruptCheckpointError as e:
+        return "corrupt", str(e), all(bool((d == -1).all()) for d in dests.values())
+    mine = report["per_rank"][rank]
+    exact = all(torch.equal(dests[n], full[n]) for n in full)
+    return "ok", (sorted(mine["seconds"]), mine["bytes"]), exact
+
+
+def test_replicas_verify_a_part_each_in_the_first_pass_and_install_all_or_nothing(tmp_path):
+    # Both ranks read the same 4 MB; each verifies half of it before anything is installed, then
+    # reads and verifies all of it again to install it.
+    whole = 4 << 20
+    for rank, (kind, (seconds, counted), exact) in enumerate(run_ranks(2, _replicas, str(tmp_path / "ok"), None)):
+        assert kind == "ok" and exact and "reread" in seconds, (rank, seconds)
+        assert counted["read"] == whole // 2 and counted["reread"] == whole, (rank, counted)
+    # A corrupt byte in either half: the rank whose half it lies in finds it in the first pass, and
+    # the other rank, which never read it before the exchange, installs nothing either.
+    for row in (0, 1):
+        res = run_ranks(2, _replicas, str(tmp_path / f"bad{row}"), row)
+        for rank, (kind, msg, untouched) in enumerate(res):
+            assert kind == "corrupt" and untouched, (row, rank, msg)
+            assert ("failed on another rank: rank " in msg) == (rank != row), (row, rank, msg)
+
+
 def test_a_staging_budget_below_a_batch_bounds_the_batch_buffer(tmp_path, monkeypatch):
     # Checkpointer(staging_budget=...) below REREAD_BATCH: the batches are cut to the budget's largest
     # buffer, and the pool never holds more than the budget (a larger request would get memory

@@ -576,7 +576,8 @@ def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], i
 def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem], dest_boxes: Sequence[Box],
                  dests: Sequence[torch.Tensor], executor: Executor | None, *, verify: bool, timer: PhaseTimer,
                  budget: int = LANDING_BYTES, pool: StagingPool | None = None,
-                 shared_files: Collection[int] = (), start_at: float = 0.0) -> Landing:
+                 shared_files: Collection[int] = (), start_at: float = 0.0,
+                 verify_part: tuple[int, int] | None = None) -> Landing:
     """Read every item's bytes into landing buffers and verify every checksum chunk they touch
     (whole chunks are read, so a partial read of a box is verified too). Nothing is written into
     `dests` until `Landing.install()`, so a corrupt read leaves the target untouched, when this
@@ -591,7 +592,15 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     read requests this rank begins, going round to the start: ranks that read the same files
     through the cache begin at different places (rank / ranks), so that the device reads each part
     once, the parts in parallel, and each rank finds the others' parts in the cache (DDP replicas:
-    all in one order, every rank waits for the same pages one stream at a time)."""
+    all in one order, every rank waits for the same pages one stream at a time).
+
+    `verify_part` (i, n): this rank is the i-th of n ranks on this machine that read exactly the
+    same bytes of the same files into destinations of the same layouts (replicas, loading.replica_part).
+    A load in two passes (_reread) then verifies only the i-th of n parts of those bytes in its first
+    pass, as the other replicas verify the rest; its second pass still reads and verifies every byte
+    it installs. No rank installs anything before every rank's first pass is sound (the caller's
+    exchange), so the checkpoint's bytes are all verified before any install, once instead of n times,
+    and the device's one read of each part feeds the cache for all of them."""
     way = _Columns.of(items, manifest, dest_boxes, dests, verify)
     if way is None:
         way = _Records(storage, manifest, list(stored_grids(manifest, items)), dest_boxes, dests, verify, executor)
@@ -605,8 +614,12 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
     step = min(REREAD_BATCH, max(budget - 2 * _PAGE, _PAGE))
     if twice:
         batches = _batches(_split(way.extents, way.bounds, step), step)
-        k = int(len(batches) * start_at) % len(batches)
-        batches = batches[k:] + batches[:k]   # ranks sharing the files start at different places
+        if verify_part is not None:   # replicas verify a part each (the same cut on every one of them)
+            i, n = verify_part
+            batches = batches[len(batches) * i // n:len(batches) * (i + 1) // n]
+        else:
+            k = int(len(batches) * start_at) % len(batches)
+            batches = batches[k:] + batches[:k]   # ranks sharing the files start at different places
     else:
         batches = _batches(way.extents, budget)
 
@@ -664,7 +677,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
                 _read_direct(storage, manifest, way.direct, way.items, executor)
                 timer.count("read", sum(n.hi - n.lo for _, n, _ in way.direct))
         if twice:
-            for batch in batches:   # the first pass: every byte verified, none kept
+            for batch in batches:   # the first pass: every byte (replicas: this rank's part) verified, none kept
                 read(batch)
                 give_back()
         else:
