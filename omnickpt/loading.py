@@ -293,7 +293,7 @@ def shared_files(rank: int, files_read: list[tuple[str, dict[int, int]] | None],
 
 def _read_set(job: _LoadJob, files: tuple[str, dict[int, int]] | None, verify: bool, landing_bytes: int
               ) -> str | None:
-    """A digest of what this rank's load reads and how it lands it: every read item's key and size,
+    """A digest of what this rank's load reads and how it lands it: its read plan (ReadPlan.digest),
     its destinations' shapes, strides and dtypes, `verify` and the landing size. Ranks of one machine
     with equal digests are replicas (DDP: each reads the whole model) and split the first pass of a
     two-pass load between them (replica_part). None where that pass never happens: a load of at most
@@ -301,9 +301,9 @@ def _read_set(job: _LoadJob, files: tuple[str, dict[int, int]] | None, verify: b
     if files is None or sum(files[1].values()) <= engine_load.REREAD_MIN:
         return None
     items = job.items
-    keys = items.wants() if isinstance(items, ReadPlan) else [(item_key(it), it.nbytes) for it in items]
+    plan = (items if isinstance(items, ReadPlan) else ReadPlan(list(items))).digest()
     dests = [(tuple(d.shape), d.stride(), str(d.dtype)) for d in job.match.dests]
-    return hashlib.blake2b(repr((keys, dests, verify, landing_bytes)).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(repr((plan, dests, verify, landing_bytes)).encode(), digest_size=16).hexdigest()
 
 
 def replica_part(rank: int, replicas: list[tuple[str | None, str | None]]) -> tuple[int, int] | None:

@@ -614,3 +614,22 @@ def test_ranks_reading_shared_files_begin_at_different_requests(tmp_path):
         order = [starts[o] for o in storage.offsets if o in starts]
         assert order[0] == first and sorted(order) == ["t0", "t2", "t4", "t6"], (start_at, order)
         assert all(torch.equal(d, state[n]) for d, (n, _) in zip(dests, wanted))
+
+
+def test_a_read_plan_digest_tells_equal_plans_from_different_ones():
+    # Replicas compare digests (loading.replica_part): equal plans, planned twice, give one digest;
+    # a plan wanting one box more, or another box, or the same boxes in another order gives another.
+    rng = random.Random(5)
+    tensors = _random_small_tensors(rng, 60)
+    data = _columns_manifest(rng, tensors).encode()
+    wanted = [(n, Box.full(s)) for n, (s, _) in tensors.items()]
+
+    def digest(w):
+        plan = plan_reads(Manifest.decode(data), w)
+        assert plan.columns is not None   # the columns are hashed, not only the records
+        return plan.digest()
+    assert digest(wanted) == digest(list(wanted))
+    name, shape = next((n, s) for n, (s, _) in tensors.items() if math.prod(s) > 1)
+    part = Box((0,) * len(shape), (1,) * len(shape))
+    assert len({digest(wanted), digest(wanted + [(name, part)]), digest(wanted[::-1]),
+                digest([(n, part if n == name else b) for n, b in wanted])}) == 4

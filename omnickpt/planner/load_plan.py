@@ -1,6 +1,7 @@
 """Load planning: intersect the boxes a rank wants with the boxes the checkpoint holds."""
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -263,6 +264,18 @@ class ReadPlan(Sequence):
         if self.columns is not None:
             out.update(self.columns.names[i] for i in present(self.columns.tensor).tolist())
         return out
+
+    def digest(self) -> str:
+        """What the plan reads and where it lands it, as a hex digest: equal on two ranks when
+        their plans are (the columns hashed as arrays: 10^5 rows in milliseconds)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr([(item_key(it), it.nbytes, it.dest) for it in self.objects]).encode())
+        c = self.columns
+        if c is not None:
+            h.update(repr(c.names).encode())
+            for f in _ROW_FIELDS:
+                h.update(np.ascontiguousarray(getattr(c, f)).tobytes())
+        return h.hexdigest()
 
     def bytes_per_file(self) -> dict[int, int]:
         """{data file: bytes the items read from it} (zero-fill items left out)."""
