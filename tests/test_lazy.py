@@ -351,3 +351,26 @@ def test_host_scalars_are_staged_together_with_everything_else_in_place():
     for (w, at), t in zip(placed, srcs):
         got = buf[at:at + w.nbytes].clone().view(t.dtype).view(t.shape)
         assert torch.equal(got, t), (w.index, got, t)
+
+
+def test_a_reused_layout_sorts_its_copies_once_and_copies_the_values_of_each_save():
+    """StageLayout.copies: the same shard and write lists get the plan made for them the first time
+    (a reused layout does not sort 6,000 step counts again); new lists get a new plan; either way
+    the copy reads the sources' values at the time of the copy."""
+    from types import SimpleNamespace as Item
+    from omnickpt.engine import save as engine_save
+    srcs = [torch.tensor(float(i)) for i in range(6)] + [torch.arange(3, dtype=torch.int32)]
+    shards = [Item(local=t) for t in srcs]
+    writes = [Item(index=i, nbytes=t.numel() * t.element_size(), offset=16 * i) for i, t in enumerate(srcs)]
+    layout = engine_save.StageLayout(128, 128, [w.offset for w in writes], [], False, False)
+    plan = layout.copies(shards, writes, layout.now)
+    assert layout.copies(shards, writes, layout.now) is plan
+    assert len(plan.scalars) == 1 and len(plan.rest) == 1 and len(plan) == len(srcs)
+    assert layout.copies(list(shards), writes, layout.now) is not plan
+    for step in (0, 1):
+        for t in srcs:
+            t.add_(step)   # training moves the values between two saves of the same layout
+        buf = torch.zeros(128, dtype=torch.uint8)
+        engine_save._copy_into(buf, shards, layout.copies(shards, writes, layout.now))
+        for w, t in zip(writes, srcs):
+            assert torch.equal(buf[w.offset:w.offset + w.nbytes].view(t.dtype).view(t.shape), t), (step, w.index)
