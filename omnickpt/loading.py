@@ -294,7 +294,7 @@ def shared_files(rank: int, files_read: list[tuple[str, dict[int, int]] | None],
 def _read_set(job: _LoadJob, files: tuple[str, dict[int, int]] | None, verify: bool, landing_bytes: int
               ) -> str | None:
     """A digest of what this rank's load reads and how it lands it: its read plan (ReadPlan.digest),
-    its destinations' shapes, strides and dtypes, `verify` and the landing size. Ranks of one machine
+    its destinations' shapes, strides, dtypes and device types, `verify` and the landing size. Ranks of one machine
     with equal digests are replicas (DDP: each reads the whole model) and split the first pass of a
     two-pass load between them (replica_part). None where that pass never happens: a load of at most
     REREAD_MIN bytes, or a process alone."""
@@ -302,7 +302,7 @@ def _read_set(job: _LoadJob, files: tuple[str, dict[int, int]] | None, verify: b
         return None
     items = job.items
     plan = (items if isinstance(items, ReadPlan) else ReadPlan(list(items))).digest()
-    dests = [(tuple(d.shape), d.stride(), str(d.dtype)) for d in job.match.dests]
+    dests = [(tuple(d.shape), d.stride(), str(d.dtype), d.device.type) for d in job.match.dests]
     return hashlib.blake2b(repr((plan, dests, verify, landing_bytes)).encode(), digest_size=16).hexdigest()
 
 
