@@ -232,11 +232,11 @@ def test_a_failed_background_copy_releases_the_fence_and_fails_the_save(tmp_path
     real = engine_save._copy_into
     calls = []
 
-    def failing(buf, shards, placed):
-        calls.append(len(placed))
+    def failing(buf, shards, plan):
+        calls.append(len(plan))
         if len(calls) == 2:   # the lazy copy (the first is the eager one)
             raise RuntimeError("simulated copy failure")
-        return real(buf, shards, placed)
+        return real(buf, shards, plan)
     monkeypatch.setattr(engine_save, "_copy_into", failing)
     with omnickpt.Checkpointer() as ckpt:
         handle = ckpt.save(tmp_path / "f", {"model": model, "optim": opt}, async_save=True)
@@ -347,7 +347,8 @@ def test_host_scalars_are_staged_together_with_everything_else_in_place():
         placed.append((Item(index=i, nbytes=n), at))
         at += 32
     buf = torch.zeros(at + 64, dtype=torch.uint8)
-    engine_save._copy_into(buf, [Item(local=t) for t in srcs], placed)
+    shards = [Item(local=t) for t in srcs]
+    engine_save._copy_into(buf, shards, engine_save._copy_plan(shards, placed))
     for (w, at), t in zip(placed, srcs):
         got = buf[at:at + w.nbytes].clone().view(t.dtype).view(t.shape)
         assert torch.equal(got, t), (w.index, got, t)

@@ -106,6 +106,8 @@ class StageLayout:
     later: list[int]
     compact: bool
     blocking: bool      # a tensor training may change at any time is written from its own memory
+    # copies(): {id(which): (shards, writes, which, _CopyPlan)}, the plans made for this layout
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def references(self) -> bool:
@@ -122,13 +124,11 @@ class StageLayout:
         """How the copies of writes `which` run (_copy_plan), worked out once per layout for the
         same shard and write lists: a reused layout's saves copy 6,000 step counts without sorting
         them out again."""
-        cache = self.__dict__.setdefault("_copies", {})
-        key = id(which)
-        hit = cache.get(key)
+        hit = self._copies.get(id(which))
         if hit is not None and hit[0] is shards and hit[1] is writes and hit[2] is which:
             return hit[3]
         plan = _copy_plan(shards, [(writes[i], self.at[i]) for i in which])
-        cache[key] = (shards, writes, which, plan)
+        self._copies[id(which)] = (shards, writes, which, plan)
         return plan
 
 
@@ -347,13 +347,10 @@ def _copy_plan(shards: list[TensorShard], placed: list[tuple[WriteItem, int]]) -
     return _CopyPlan(scalars, rest, end)
 
 
-def _copy_into(buf: torch.Tensor, shards: list[TensorShard], placed: list[tuple[WriteItem, int]] | _CopyPlan
-               ) -> None:
-    """Copy each write's source to its staging offset in `buf` (`placed`: (write, offset) pairs, or
-    their _CopyPlan): host scalars all at once per dtype, raw bytes (one memmove) where the source
-    is plain host memory of exactly the planned size, a torch copy otherwise (GPU sources run on
-    the caller's stream, non-blocking)."""
-    plan = placed if isinstance(placed, _CopyPlan) else _copy_plan(shards, placed)
+def _copy_into(buf: torch.Tensor, shards: list[TensorShard], plan: _CopyPlan) -> None:
+    """Copy each write of `plan` from its source to its staging offset in `buf`: host scalars all
+    at once per dtype, raw bytes (one memmove) where the source is plain host memory of exactly the
+    planned size, a torch copy otherwise (GPU sources run on the caller's stream, non-blocking)."""
     base, size = buf.data_ptr(), buf.numel()
     # a flat byte buffer whose start lies on 8 bytes can be viewed as any scalar dtype
     batch = buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous() and buf.storage_offset() % 8 == 0 \
