@@ -231,8 +231,8 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
     """
     if states is None:
         states = [optimizer.state.get(par.param) for par in params]
-    def saved_keys(par: _Param) -> list[str]:
-        return sorted({k for fqn in par.names for k, _ in wanted.get(fqn, [])})
+    def saved_keys(par: _Param) -> set[str]:
+        return {k for fqn in par.names for k, _ in wanted.get(fqn, ())}
 
     mine = optimizer_kind(optimizer)
     if saved_kind is not None and saved_kind != mine:
@@ -242,7 +242,7 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
     for par, state in zip(params, states):
         if not state:
             continue
-        theirs_set = {k for fqn in par.names for k, _ in wanted.get(fqn, ())}
+        theirs_set = saved_keys(par)
         if not theirs_set:
             continue
         own_set = {k for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -304,8 +304,7 @@ class ColumnTable:
     def entry(self, shape: tuple[int, ...], dtype: str, a: int, b: int, codec: str | None = None) -> "TensorEntry":
         """Rows [a, b) as a tensor's entry; `codec`: this tensor's, where it is not the table's (a
         quantized optimizer moment in a checkpoint whose other tensors are stored otherwise)."""
-        return TensorEntry(shape, dtype, load=_TableRows(self, a, b, len(shape), dtype_from_name(dtype).itemsize,
-                                                         dtype, codec or self.codec))
+        return self.entries([""], [shape], [dtype], [a, b], {"": codec} if codec else {})[""]
 
     def entries(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
                 bounds: Sequence[int], codecs: Mapping[str, str]) -> "dict[str, TensorEntry]":
