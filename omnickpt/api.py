@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from omnickpt import commit, loading
 from omnickpt.adapters import check_framework
-from omnickpt.comm import Comm
+from omnickpt.comm import Comm, current_world
 from omnickpt.engine import StagingPool
 from omnickpt.engine.load import LANDING_BYTES
 from omnickpt.engine.priority import background
@@ -186,6 +186,7 @@ class Checkpointer:
         # (saving._Reuse); it holds references to the state's tensors, dropped by close().
         self._reuse: dict[int, Any] = {}
         self._comms: dict[int, Comm] = {}
+        self._world: Any = current_world()   # the default process group the cached Comms belong to
         self._inflight: dict[str, SaveHandle] = {}
         # The last checkpoint committed per process group: the default base of an incremental save.
         self._committed: dict[int, str] = {}
@@ -200,6 +201,15 @@ class Checkpointer:
         return [h for h in self._inflight.values() if not h.reported]
 
     def comm(self, process_group: Any = None) -> Comm:
+        world = current_world()
+        if world is not self._world:
+            # The job's process group was created, destroyed or made anew (an in-process restart,
+            # omnickpt.load before init_process_group) since these were cached: their groups are
+            # gone, and a Comm made before init would save each rank as if it were alone. What is
+            # keyed by a Comm goes too (ids of freed Comms are reused).
+            self._world = world
+            for cache in (self._comms, self._plans, self._reuse, self._committed):
+                cache.clear()
         group = process_group if process_group is not None else self._group
         key = id(group)
         if key not in self._comms:

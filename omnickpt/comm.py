@@ -26,6 +26,13 @@ class _Solo:
 SOLO = _Solo()
 
 
+def current_world() -> Any:
+    """The default process group object now (None before init_process_group or after
+    destroy_process_group). A re-initialized job has a new one, and every group made from the old
+    one is gone with it: whoever caches Comms compares this to know when to drop them."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 class Comm:
     """`timeout`: seconds every rank waits for the others at each collective. On gloo process
     groups each collective is preceded by `dist.monitored_barrier`, so a rank that died or never

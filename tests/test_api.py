@@ -10,6 +10,7 @@ import torch
 
 import omnickpt
 from dist import run_ranks
+from omnickpt.storage import storage_for
 
 
 def _mlp(seed=0):
@@ -240,3 +241,43 @@ def _cache_per_group(rank, world_size, root):
 def test_plan_cache_is_per_process_group(tmp_path):
     # Both ranks hit the cache: digest all_gather + result gather + broadcast, no planning exchange.
     assert run_ranks(2, _cache_per_group, str(tmp_path)) == [3, 3]
+
+
+def _restart_in_process(rank, world_size, root):
+    """run_ranks made the first process group; the job tears it down and starts a new one (an
+    in-process restart), then saves and loads again through the module-level API."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    omnickpt.save(f"{root}/before", {"model": model})
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root}/store-again", rank=rank, world_size=world_size)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    omnickpt.save(f"{root}/after", {"model": model})
+    fresh = torch.nn.Linear(8, 4)
+    omnickpt.load(f"{root}/after", {"model": fresh})
+    return torch.equal(fresh.weight, model.weight)
+
+
+def test_module_level_saves_and_loads_after_the_process_group_is_made_anew(tmp_path):
+    # The module-level Checkpointer lives for the process; its coordination must follow the job's
+    # current process group, not keep the destroyed one (a ValueError naming a group "not
+    # initialized in the world group map").
+    assert run_ranks(2, _restart_in_process, str(tmp_path)) == [True, True]
+    assert omnickpt.read_manifest(storage_for(str(tmp_path / "after"))).world_size == 2
+
+
+def _save_before_init(rank, world_size, root):
+    """A rank that used the module-level API before joining the job (a single-process warm-up)
+    must not keep saving as if it were alone once the job's process group exists."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    omnickpt.save(f"{root}/warmup{rank}", {"x": torch.zeros(2)})
+    dist.init_process_group("gloo", init_method=f"file://{root}/store-job", rank=rank, world_size=world_size)
+    omnickpt.save(f"{root}/job", {"model": torch.nn.Linear(2, 2)})
+    return omnickpt.read_manifest(storage_for(f"{root}/job")).world_size
+
+
+def test_a_save_before_init_process_group_does_not_make_later_saves_solo(tmp_path):
+    assert run_ranks(2, _save_before_init, str(tmp_path)) == [2, 2]
