@@ -166,6 +166,11 @@ class Checkpointer:
         this much nicer than the process, at the lowest best-effort I/O priority, so that training
         steps overlapping a save win the cores and the disk (None: the training thread's
         priority). The lazy snapshot's copier keeps the training thread's: a step may wait for it."""
+        # What __init__ was given, to make this Checkpointer anew in a forked child (_own_process).
+        self._settings = dict(process_group=process_group, io_workers=io_workers, timeout=timeout,
+                              staging_slots=staging_slots, landing_bytes=landing_bytes, staging_budget=staging_budget,
+                              release_staging=release_staging, background_nice=background_nice)
+        self._pid = os.getpid()
         self._group = process_group
         self._pool = StagingPool(staging_slots, staging_budget)
         self.landing_bytes = landing_bytes if staging_budget is None else min(landing_bytes, self._pool.largest)
@@ -195,9 +200,20 @@ class Checkpointer:
         self._job = f"omnickpt-{uuid.uuid4().hex[:12]}"
         _finish_saves_at_exit(self)
 
+    def _own_process(self) -> None:
+        """Every entry point: a Checkpointer used in a process forked after it was made (a worker
+        started with fork, Lightning's ddp_fork, the module-level one of a parent that saved or
+        loaded before forking) is made anew, empty. The child has none of its threads (a save would
+        wait forever for a persist thread that is not there), may hold its locks as a parent's
+        thread held them at the fork, and would share the parent's job id in owner records. The
+        parent's saves in flight stay the parent's."""
+        if self._pid != os.getpid():
+            self.__init__(**self._settings)
+
     def pending(self) -> list[SaveHandle]:
         """Async saves started here whose outcome nobody has seen yet (still running, or finished
         but never waited for)."""
+        self._own_process()
         return [h for h in self._inflight.values() if not h.reported]
 
     def comm(self, process_group: Any = None) -> Comm:
@@ -219,6 +235,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for every async save still in flight, then free the threads and staging memory. A
         save that failed without anyone having waited for it is logged as an error."""
+        self._own_process()
         for h in self.pending():
             try:
                 h.wait()
@@ -264,6 +281,7 @@ class Checkpointer:
         SnapshotFence), then persist and commit (a gather and a broadcast for a sync save; through
         storage for an async one). Waits first for any lazy snapshot of an earlier save here."""
         t_start = time.perf_counter()
+        self._own_process()
         options = SaveOptions.of(options, keywords)
         self._await_snapshots()
         job = _SaveJob(self, str(path), state, options, t_start)
@@ -304,6 +322,7 @@ class Checkpointer:
         the same class): plan (match, plan reads, read objects; differences and paths compared),
         read (land and verify every byte: nothing is installed unless every rank's bytes are
         sound), install."""
+        self._own_process()
         return loading.load(self, str(path), state, LoadOptions.of(options, keywords))
 
 

@@ -281,3 +281,43 @@ def _save_before_init(rank, world_size, root):
 
 def test_a_save_before_init_process_group_does_not_make_later_saves_solo(tmp_path):
     assert run_ranks(2, _save_before_init, str(tmp_path)) == [2, 2]
+
+
+def _in_forked_child(ckpt, root, queue):
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 4)
+    try:
+        omnickpt.save(f"{root}/child-module-level", {"model": model}, async_save=True).wait()
+        ckpt.save(f"{root}/child-own", {"model": model}, async_save=True).wait()
+        fresh = torch.nn.Linear(8, 4)
+        ckpt.load(f"{root}/child-own", {"model": fresh})
+        ckpt.close()
+        queue.put(torch.equal(fresh.weight, model.weight))
+    except BaseException as e:
+        queue.put(repr(e))
+
+
+def test_a_checkpointer_made_before_a_fork_saves_and_loads_in_the_child(tmp_path):
+    # A forked child has none of the parent's threads: a save through a Checkpointer (or the
+    # module-level API) used before the fork waited forever for a persist thread that was not there.
+    import multiprocessing
+    model = torch.nn.Linear(8, 4)
+    ckpt = omnickpt.Checkpointer()
+    ckpt.save(f"{tmp_path}/parent", {"model": model}, async_save=True).wait()
+    omnickpt.save(f"{tmp_path}/parent-module-level", {"model": model}).wait()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(ckpt, str(tmp_path), queue))
+    child.start()
+    try:
+        outcome = queue.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert outcome is True, outcome
+    assert child.exitcode == 0
+    # The parent's Checkpointer still works: the child made its own.
+    ckpt.save(f"{tmp_path}/parent-again", {"model": model}, async_save=True).wait()
+    ckpt.close()
+    assert omnickpt.is_committed(f"{tmp_path}/child-own") and omnickpt.is_committed(f"{tmp_path}/parent-again")
