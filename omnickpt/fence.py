@@ -23,6 +23,7 @@ step began since (and no in-place edit moved a tensor's version counter).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from typing import Any, Iterable
@@ -194,9 +195,13 @@ class SnapshotFence:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
+        self._pid = os.getpid()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        self.wait()
+        # A child forked while the copy ran steps on its own copy of the memory, which the parent's
+        # snapshot never reads, and no thread of the child would ever release the fence.
+        if os.getpid() == self._pid:
+            self.wait()
 
     def release(self, error: BaseException | None = None) -> None:
         """The snapshot's thread: the copy is done (or failed: the step may go on either way, the

@@ -60,3 +60,37 @@ def test_a_step_waits_for_the_release_and_the_hooks_come_off():
     fence.remove()
     assert not opt._optimizer_step_pre_hooks
     opt.step()      # no fence left
+
+
+def _step_in_child(opt, queue):
+    opt.step()
+    queue.put("stepped")
+
+
+def test_a_child_forked_while_the_fence_holds_steps_on_its_own_copy():
+    # The parent's snapshot copies the parent's memory; the child's step cannot change it, and no
+    # thread of the child would ever release the fence: it must not wait for it.
+    import multiprocessing
+    model, opt = _model_and_opt()
+    fence = SnapshotFence([opt], "save to x")
+    before = [p.detach().clone() for p in model.parameters()]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_step_in_child, args=(opt, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == "stepped"
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    # The parent is still held, and its parameters untouched by the child's step.
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    stepped = threading.Event()
+    t = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    t.start()
+    time.sleep(0.2)
+    assert not stepped.is_set()
+    fence.release()
+    t.join(10)
+    assert stepped.is_set()
