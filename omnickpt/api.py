@@ -275,8 +275,9 @@ class Checkpointer:
     def save(self, path: str, state: dict, *, options: SaveOptions | None = None, **keywords: Any) -> SaveHandle:
         """Every rank. See omnickpt.save; `options` (a SaveOptions) or its fields as keywords (which
         replace the fields of `options`). Phases (saving._SaveJob): collect (adapters, records,
-        objects encoded), agree (one all-gather: digests, save id, paths, errors), plan (a gather
-        and a scatter when the plan is not cached), snapshot (the stall ends here; a lazy one
+        objects encoded), agree (one all-gather: digests, save id, paths, errors; a small job's
+        records when its plan is not cached), plan (from the cache; from those records on every
+        rank; else a gather and a scatter), snapshot (the stall ends here; a lazy one
         leaves the copy of parameters and optimizer state to a background thread, behind a
         SnapshotFence), then persist and commit (a gather and a broadcast for a sync save; through
         storage for an async one). Waits first for any lazy snapshot of an earlier save here."""

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 REPORT_NAME = "report.json"
 log = logging.getLogger("omnickpt")
 _PLAN_CACHE_SIZE = 4
+# Every rank's RecordBatch, as each rank receives them all with the agreement of a save whose plan
+# is not cached (_inline_batch): past this, the coordinator gathers them and scatters the plan.
+INLINE_PLAN_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +162,15 @@ class _SaveJob:
 
     def agree(self, error: Exception | None) -> None:
         """Every rank, one all-gather (comm.settle): digests, the save id, paths, replica sums,
-        table digests, the base; any rank's error raised on every rank."""
+        table digests, the base, the records of a small job whose plan is not cached
+        (_inline_batch); any rank's error raised on every rank."""
         c = self.collected
+        inline = _inline_batch(self.ckpt._plans.get(id(self.comm), {}), c, self.comm)
         with self.timer.phase("exchange"):   # also absorbs any lag between the ranks arriving here
             self.gathered = self.comm.settle(f"save to {self.path}, step plan", error,
                                              (c.digest, uuid.uuid4().hex[:16], self.where, c.replicas,
-                                              c.batch.table_digest if c.batch is not None else None, self.chain))
+                                              c.batch.table_digest if c.batch is not None else None, self.chain,
+                                              inline))
         if self.options.check_replicas:
             _check_replicas([g[3] for g in self.gathered], self.path)
         # Each rank would write its file where it was told and the manifest would name files that
@@ -173,12 +179,14 @@ class _SaveJob:
         self.save_id = self.gathered[0][1]
 
     def plan(self) -> None:
-        """Every rank: this rank's writes (a gather and a scatter unless the plan is cached), then
-        how each write is encoded (compression, quantized moments, incremental blocks)."""
+        """Every rank: this rank's writes (cached; planned from every rank's records sent with the
+        agreement; else a gather and a scatter: _global_plan), then how each write is encoded
+        (compression, quantized moments, incremental blocks)."""
         with self.timer.phase("plan"):
             self.writes, self.tensor_region, self.global_plan = _global_plan(
                 self.ckpt._plans.setdefault(id(self.comm), {}), self.comm, tuple(g[0] for g in self.gathered),
-                self.collected.batch, self.path, tables=[g[4] for g in self.gathered])
+                self.collected.batch, self.path, tables=[g[4] for g in self.gathered],
+                inline=[g[6] for g in self.gathered])
         o = self.options
         # Only a save that encodes its chunks needs each write's tensor (not on every save's way out).
         shards = [self.collected.shards[w.index] for w in self.writes] if o.compression or o.quantize_optimizer else []
@@ -414,10 +422,27 @@ def _remove_files(storage: Storage, save_id: str) -> None:
         log.warning("omnickpt: could not remove the files of the failed save in %s: %s", storage.describe(), e)
 
 
-def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None) -> tuple:
+def _inline_batch(plans: dict, collected: _Collected, comm: Comm) -> RecordBatch | None:
+    """What a rank sends with the agreement's all-gather for the plan step: its RecordBatch when no
+    cached plan can match (none holds this rank's digest at its place: a first save, a new layout)
+    and every rank's batches together stay under INLINE_PLAN_BYTES; else None. When every rank sent
+    one, each plans from them itself (_global_plan), with no gather or scatter on the stall path."""
+    b = collected.batch
+    if b is None or comm.world_size == 1 or comm.world_size * b.wire_bytes() > INLINE_PLAN_BYTES:
+        return None
+    if any(len(key) == comm.world_size and key[comm.rank] == collected.digest for key in plans):
+        return None
+    return b
+
+
+def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None,
+                 inline=None) -> tuple:
     """Every rank: (this rank's writes, the size of its file's tensor region, the global plan
-    (coordinator only)). A cached plan costs no collective; otherwise the coordinator plans
-    from every rank's records (a gather) and hands each rank its part (a scatter).
+    (coordinator only)). A cached plan costs no collective. When every rank sent its records with
+    the agreement (`inline`, see _inline_batch), every rank plans from them: build_global_plan is a
+    pure function of the batches, so all ranks find the same plan (or raise the same error) and no
+    collective is made. Otherwise the coordinator plans from every rank's records (a gather) and
+    hands each rank its part (a scatter).
 
     `plans`: the Checkpointer's LRU of this process group: every member makes the same saves on it
     in the same order, so all members hold the same entries and hit or miss together (saves on other
@@ -426,6 +451,13 @@ def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, pa
     if cached is not None:
         plans[digests] = plans.pop(digests)   # most recently used last
         return cached
+    if inline is not None and all(b is not None for b in inline):
+        try:
+            plan = build_global_plan(list(inline))
+        except CheckpointError as e:
+            raise rebuild_error(type(e).__name__, f"planning the save to {path} failed: {e}") from None
+        writes, tensor_region = write_items(*plan.write_arrays(comm.rank)), plan.tensor_bytes[comm.rank]
+        return _cache_plan(plans, digests, writes, tensor_region, plan if comm.is_coordinator else None)
     # Records travel as arrays. With every rank's table digest (RecordBatch.table_digest, from
     # an all-gather already made), a rank whose tensor table (names, shapes, dtypes) a lower
     # rank also holds leaves it out: the coordinator receives each table once (FSDP: one in all).
@@ -442,7 +474,10 @@ def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, pa
     arrays, tensor_region, err = comm.scatter_object(parts, step=f"save to {path}, step plan")
     if err is not None:
         raise rebuild_error(err[0], f"planning the save to {path} failed: {err[1]}")
-    writes = write_items(*arrays)
+    return _cache_plan(plans, digests, write_items(*arrays), tensor_region, plan)
+
+
+def _cache_plan(plans: dict, digests: tuple, writes, tensor_region: int, plan) -> tuple:
     if len(plans) >= _PLAN_CACHE_SIZE:   # a few structures stay cached (e.g. model-only and full saves)
         plans.pop(next(iter(plans)))
     plans[digests] = (writes, tensor_region, plan)

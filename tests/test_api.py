@@ -88,10 +88,11 @@ def test_ddp_balanced_writes_plan_cache_and_async_snapshots(tmp_path):
     # every tensor byte written exactly once (plus alignment padding and the per-rank objects)
     assert tensor_bytes <= total <= tensor_bytes + 2 * object_bytes + 64 * n_pieces
     assert all(x > 0 for x in b) and abs(b[0] - b[1]) <= biggest, b
-    # Sync save: all_gather(digest) + gather(plan) + scatter(plan) + gather(results) + broadcast.
-    # The second save of the same structure skips the planning exchange (gather + scatter).
+    # Sync save: all_gather(digest; a small job's records ride along while no cached plan can match,
+    # and every rank plans from them) + gather(results) + broadcast. No gather or scatter of the plan
+    # (test_a_small_jobs_first_save_plans_with_the_agreement has the large-job path).
     first, second = r0["sync_collectives"]
-    assert first - second == 2, r0["sync_collectives"]
+    assert first == second == 3, r0["sync_collectives"]
     # Async save on a cache hit: one small all_gather in the call, nothing else on the training
     # thread's process group (the commit goes through storage).
     assert r0["async_collectives"] == (1, 1), r0["async_collectives"]
@@ -321,3 +322,52 @@ def test_a_checkpointer_made_before_a_fork_saves_and_loads_in_the_child(tmp_path
     ckpt.save(f"{tmp_path}/parent-again", {"model": model}, async_save=True).wait()
     ckpt.close()
     assert omnickpt.is_committed(f"{tmp_path}/child-own") and omnickpt.is_committed(f"{tmp_path}/parent-again")
+
+
+def _first_and_second_save(rank, world_size, root, inline_limit):
+    import omnickpt.saving
+    if inline_limit is not None:
+        omnickpt.saving.INLINE_PLAN_BYTES = inline_limit
+    ckpt = omnickpt.Checkpointer()
+    torch.manual_seed(0)   # replicas (as DDP's): the plan has each tensor written by one rank, spread over both
+    state = {"model": torch.nn.Linear(16, 8), "extra": torch.nn.Linear(8, 2)}
+    counts = []
+    for i in range(2):
+        before = ckpt.comm().collectives
+        ckpt.save(f"{root}/s{i}", state).wait()
+        counts.append(ckpt.comm().collectives - before)
+    fresh = {"model": torch.nn.Linear(16, 8), "extra": torch.nn.Linear(8, 2)}
+    ckpt.load(f"{root}/s0", fresh)
+    ckpt.close()
+    same = all(torch.equal(a, b) for k in state for a, b in zip(state[k].parameters(), fresh[k].parameters()))
+    return counts, same
+
+
+@pytest.mark.parametrize("inline_limit, first", [(None, 3), (0, 5)], ids=["inline", "gathered"])
+def test_a_small_jobs_first_save_plans_with_the_agreement(tmp_path, inline_limit, first):
+    # Every rank sends its records with the agreement's all-gather and plans from them itself: the
+    # first save makes as many collectives as a cached one (the agreement, the sync commit's gather
+    # and broadcast), not a gather and a scatter more. Past INLINE_PLAN_BYTES the coordinator plans.
+    # Either way the checkpoint loads back what was saved.
+    out = run_ranks(2, _first_and_second_save, str(tmp_path), inline_limit)
+    assert [o[0] for o in out] == [[first, 3], [first, 3]]
+    assert [o[1] for o in out] == [True, True]
+
+
+def _shapes_differ(rank, world_size, root, inline_limit):
+    import omnickpt.saving
+    if inline_limit is not None:
+        omnickpt.saving.INLINE_PLAN_BYTES = inline_limit
+    try:
+        omnickpt.save(f"{root}/bad", {"model": torch.nn.Linear(4, 4 + rank)})
+    except omnickpt.PlanError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("inline_limit", [None, 0], ids=["inline", "gathered"])
+def test_ranks_that_disagree_on_a_shape_fail_the_first_save_on_every_rank(tmp_path, inline_limit):
+    messages = run_ranks(2, _shapes_differ, str(tmp_path), inline_limit)
+    for m in messages:
+        assert m is not None and "planning the save" in m and "'model/weight'" in m and "rank 1" in m, m
+    assert not omnickpt.is_committed(str(tmp_path / "bad"))

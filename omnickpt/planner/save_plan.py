@@ -109,6 +109,11 @@ class RecordBatch:
         return RecordBatch(tuple(names), tuple(shapes), tuple(dtypes), tuple(itemsizes),
                            _narrow(np.array(ids, dtype=np.int64)), offsets, lengths, h.digest())
 
+    def wire_bytes(self) -> int:
+        """About how many bytes the batch takes on the wire (its arrays and its tensor table)."""
+        table = 0 if self.names is None else sum(map(len, self.names)) + 48 * len(self.names)
+        return self.tensor.nbytes + self.offsets.nbytes + self.lengths.nbytes + table
+
     def without_table(self) -> "RecordBatch":
         """This batch less its tensor table, for a rank whose table a lower rank sends (same digest)."""
         return dataclasses.replace(self, names=None, shapes=None, dtypes=None, itemsizes=None)
