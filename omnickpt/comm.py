@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from omnickpt.errors import CheckpointTimeoutError, rebuild_error
+from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
 
 
 class _Solo:
@@ -54,10 +54,22 @@ class Comm:
         self.timeout = timeout
         self._monitored = (timeout is not None and self.world_size > 1
                            and dist.get_backend(self.group) == dist.Backend.GLOO)
+        self._world = current_world()   # every group of the job goes with this one
+
+    def _alive(self, step: str) -> None:
+        """Fail at once, naming `step`, when the job's process groups were destroyed since this Comm
+        was made (torch would raise about a group "not initialized in the world group map")."""
+        if self.distributed and current_world() is not self._world:
+            raise CheckpointError(
+                f"{step or 'checkpoint collective'}: the process group this was made with is gone "
+                "(destroy_process_group ran since, and perhaps init_process_group again). Make the "
+                "CheckpointManager (or the process group passed as process_group=) anew after init_process_group")
 
     def arrivals(self, step: str) -> None:
-        """Every rank: wait (at most `timeout`) until every rank of the group is here; else raise
-        CheckpointTimeoutError naming `step` and the ranks that did not come."""
+        """Every rank, before each collective: wait (at most `timeout`) until every rank of the
+        group is here; else raise CheckpointTimeoutError naming `step` and the ranks that did not
+        come. A Comm whose process group is gone fails at once (_alive)."""
+        self._alive(step)
         if not self._monitored:
             return
         try:
@@ -120,6 +132,7 @@ class Comm:
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            self._alive("barrier")
             self.collectives += 1
             dist.barrier(group=self.group)
 

@@ -371,3 +371,31 @@ def test_ranks_that_disagree_on_a_shape_fail_the_first_save_on_every_rank(tmp_pa
     for m in messages:
         assert m is not None and "planning the save" in m and "'model/weight'" in m and "rank 1" in m, m
     assert not omnickpt.is_committed(str(tmp_path / "bad"))
+
+
+def _manager_across_restart(rank, world_size, root):
+    import torch.distributed as dist
+    model = torch.nn.Linear(4, 4)
+    mgr = omnickpt.CheckpointManager(f"{root}/run", incremental=True)   # its ranks agree on each save's base
+    mgr.save(1, {"model": model})
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root}/store-again", rank=rank, world_size=world_size)
+    try:
+        mgr.save(2, {"model": model})
+    except omnickpt.CheckpointError as e:
+        message = str(e)
+    else:
+        message = None
+    # A manager made under the new process group saves there.
+    omnickpt.CheckpointManager(f"{root}/run", incremental=True).save(3, {"model": model})
+    return message
+
+
+def test_a_manager_made_before_the_process_group_was_made_anew_says_so(tmp_path):
+    # Its own collectives (here: the incremental base) are on the destroyed group: a clear error
+    # naming what to do, not torch's "not initialized in the world group map" from inside one.
+    for message in run_ranks(2, _manager_across_restart, str(tmp_path)):
+        assert message is not None and "process group this was made with is gone" in message, message
+        assert "anew after init_process_group" in message
+    steps = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("global_step_"))
+    assert steps == ["global_step_1", "global_step_3"]
