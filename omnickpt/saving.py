@@ -428,11 +428,11 @@ def _inline_batch(plans: dict, collected: _Collected, comm: Comm) -> RecordBatch
     and every rank's batches together stay under INLINE_PLAN_BYTES; else None. When every rank sent
     one, each plans from them itself (_global_plan), with no gather or scatter on the stall path."""
     b = collected.batch
-    if b is None or comm.world_size == 1 or comm.world_size * b.wire_bytes() > INLINE_PLAN_BYTES:
+    if b is None or comm.world_size == 1:
         return None
     if any(len(key) == comm.world_size and key[comm.rank] == collected.digest for key in plans):
-        return None
-    return b
+        return None   # checked first: a steady save stops here, before the size (a pass over every name)
+    return b if comm.world_size * b.wire_bytes() <= INLINE_PLAN_BYTES else None
 
 
 def _global_plan(plans: dict, comm: Comm, digests: tuple, batch: RecordBatch, path: str, tables=None,
