@@ -235,8 +235,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for every async save still in flight, then free the threads and staging memory. A
         save that failed without anyone having waited for it is logged as an error."""
-        self._own_process()
-        for h in self.pending():
+        for h in self.pending():   # pending() makes a Checkpointer used in a forked child its own first
             try:
                 h.wait()
             except CheckpointError as e:

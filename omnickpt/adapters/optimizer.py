@@ -231,6 +231,7 @@ def _kind_difference(key: str, optimizer: torch.optim.Optimizer, params: list[_P
     """
     if states is None:
         states = [optimizer.state.get(par.param) for par in params]
+
     def saved_keys(par: _Param) -> set[str]:
         return {k for fqn in par.names for k, _ in wanted.get(fqn, ())}
 
