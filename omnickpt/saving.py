@@ -31,7 +31,7 @@ from omnickpt.format.quant import check_scheme, is_moment, quantizable
 from omnickpt.steps import References
 from omnickpt.lease import acquire
 from omnickpt.monitor import PhaseTimer, summarize
-from omnickpt.planner import RecordBatch, ShardRecord, build_global_plan, structure_digest, write_items
+from omnickpt.planner import RecordBatch, build_global_plan, write_items
 from omnickpt.storage import Storage, storage_for
 
 if TYPE_CHECKING:
@@ -549,10 +549,9 @@ class _Reuse:
 
 @dataclasses.dataclass
 class _Collected:
-    """A rank's state as the save sees it: shards, their records and digest, encoded objects, the
-    layout recorded in the manifest, and (check_replicas) every box's checksum."""
+    """A rank's state as the save sees it: shards, their records (as a batch) and digest, encoded
+    objects, the layout recorded in the manifest, and (check_replicas) every box's checksum."""
     shards: list = dataclasses.field(default_factory=list)
-    records: list = dataclasses.field(default_factory=list)
     digest: str = ""
     blobs: dict = dataclasses.field(default_factory=dict)
     layout: dict = dataclasses.field(default_factory=dict)
@@ -599,7 +598,7 @@ def _collect(state: dict, comm: Comm, timer: PhaseTimer, options: SaveOptions, r
             base = _from_shards(collected)
             if reuse is not None:
                 reuse.collected = (lists, base)
-        out.shards, out.records, out.digest, out.batch = base.shards, base.records, base.digest, base.batch
+        out.shards, out.digest, out.batch = base.shards, base.digest, base.batch
         out.layout = {"world_size": comm.world_size,
                       "frameworks": {k: it.framework for k, it in collected if it.framework}}
         meshes = {k: it.layout for k, it in collected if it.layout}
@@ -624,9 +623,12 @@ def _from_shards(collected: list) -> _Collected:
     # its one empty box, so that the manifest records it and a strict load finds it.
     out.shards = [s for _, items in collected for s in items.shards if s.box.numel or math.prod(s.shape) == 0]
     kinds = {d: (dtype_name(d), d.itemsize) for d in {s.dtype for s in out.shards}}   # per dtype, not per shard
-    out.records = [ShardRecord(s.name, s.shape, *kinds[s.dtype], s.box) for s in out.shards]
-    out.digest = structure_digest(out.records)
-    out.batch = RecordBatch.from_records(out.records)
+    dtypes = [kinds[s.dtype] for s in out.shards]
+    # columns, not a ShardRecord per shard: this runs on a first save's stall
+    out.batch = RecordBatch.from_columns([s.name for s in out.shards], [s.shape for s in out.shards],
+                                         [d[0] for d in dtypes], [d[1] for d in dtypes],
+                                         [s.box for s in out.shards])
+    out.digest = out.batch.structure_digest()
     return out
 
 
