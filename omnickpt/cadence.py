@@ -5,7 +5,7 @@ soon as the previous one is durable, Orbax's continuous mode).
 The cost of one save is what training loses to it, measured the way a stopwatch outside the job
 would: every step that a save affected against the baseline step time.
 
-- The **baseline** is the median of recent *quiet* steps: no save in flight, and not the first
+- The **baseline** is the mean of recent *quiet* steps: no save in flight, and not the first
   `SETTLE` step(s) after one became durable (a save's tail - write-back, freed memory, a finishing
   thread - still slows the step after it; measuring against that step understated the cost).
   A **profiling window** at start: after the first save (a resume point at the first call),
@@ -25,9 +25,13 @@ would: every step that a save affected against the baseline step time.
 The cost is the mean over the recent saves: training loses the sum of the saves' costs, which a
 stopwatch sees, and saves' costs are skewed (most cost little, the one that meets a busy disk or an
 optimizer step much more), so a median under-reported them (mlp/ddp in bench/cadence.py: +4.9%
-reported, +8.9% measured outside). Flights and the baseline are medians (of the recent saves and
-quiet steps), so one slow step does not swing the interval; on a noisy machine a single save's cost
-can come out negative, and is kept so that the mean is not biased upwards.
+reported, +8.9% measured outside). The baseline is a mean for the same reason: step times are
+skewed too (most steps alike, now and then one much slower), and the affected steps' time is a sum,
+so a median baseline counted the slow steps' share of the affected steps as the save's cost (a
+right-skewed loop whose saves cost nothing was measured at half a step per save, and mlp/ddp
+in bench/cadence.py reported +4.9% against -0.2% outside). Flights are medians (of the recent saves),
+so one slow save does not swing the interval; on a noisy machine a single save's cost can come out
+negative, and is kept so that the mean is not biased upwards.
 
 A save whose affected steps were seen only in a call that covered several steps (save() not called
 at every step: a loop that paused its calls, bench/cadence.py's rounds without saves) is measured
@@ -57,7 +61,7 @@ from collections import deque
 from dataclasses import dataclass
 
 MODES = ("auto", "continuous")
-_WINDOW = 16   # recent measurements kept for each median
+_WINDOW = 16   # recent measurements kept (quiet steps, saves)
 MAX_BACKOFF = 8   # after failed saves in a row, attempts at most this many intervals apart
 SETTLE = 1        # steps after a save became durable that still count as affected by it
 PROFILE_STEPS = 4  # quiet steps measured before "auto" chooses its first interval
@@ -101,7 +105,7 @@ def check_cadence(every: int | str, max_overhead: float, max_interval: int) -> N
 class CadenceReport:
     mode: str
     interval: int | None
-    step_s: float | None             # the baseline: median of recent quiet steps
+    step_s: float | None             # the baseline: mean of recent quiet steps
     stall_s: float | None
     background_s: float | None       # call to durable
     interference_s: float | None     # cost less the stall
@@ -186,7 +190,7 @@ class Cadence:
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
         recent = list(self._quiet)[-_LOCAL:]
-        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.median(recent) if recent else None)
+        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None)
         self._last_saved = step
 
     def durable(self, background_s: float) -> None:
@@ -213,8 +217,8 @@ class Cadence:
     # ------------------------------------------------------------------ decisions
     @property
     def step_s(self) -> float | None:
-        """The baseline: seconds per quiet step (median of the recent ones)."""
-        return statistics.median(self._quiet) if self._quiet else None
+        """The baseline: seconds per quiet step (the mean of the recent ones: see the module's docstring)."""
+        return statistics.fmean(self._quiet) if self._quiet else None
 
     def profiling(self) -> bool:
         """"auto" has no interval yet: no save measured to its end, or fewer than PROFILE_STEPS quiet steps."""
@@ -246,7 +250,7 @@ class Cadence:
         if self.every == "continuous" or self.profiling():
             return None
         m = self._medians()
-        # the stall is measured directly: noise can make the median cost smaller, not the save cheaper
+        # the stall is measured directly: noise can make the mean cost smaller, not the save cheaper
         return choose_interval(m["step"], max(m["cost"], m["stall"]), 0.0, max_overhead=self.max_overhead,
                                max_interval=self.max_interval,
                                min_interval=min(self.max_interval, math.ceil(m["flight"]) + SETTLE + 1))

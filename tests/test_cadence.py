@@ -121,6 +121,34 @@ def test_the_cost_is_the_mean_of_skewed_saves_as_a_stopwatch_sums_them():
     assert c.interval() == math.ceil(0.3 / (0.05 * 1.0))
 
 
+@pytest.mark.parametrize("cost", [0.0, 0.4])
+def test_skewed_step_times_do_not_charge_their_slow_steps_to_the_saves(cost):
+    """Seven steps in eight take 0.5 s and one 1.3 s (mean 0.6 s, median 0.5 s), with or without a
+    save; each save slows the two steps in flight by cost / 2. A stopwatch sees `cost` per save and
+    0.6 s per step. A median baseline (0.5 s) made every save cost 0.3 s more: the slow steps' share
+    of its three affected steps."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    pattern = [0.5] * 7 + [1.3]
+
+    def run(steps: int, extra: float = 0.0) -> None:
+        nonlocal t, step
+        for _ in range(steps):
+            step += 1
+            t += pattern[step % len(pattern)] + extra
+            c.observe_call(step, t)
+    for _ in range(16):   # saves 11 steps apart: their affected steps meet the slow step 3 times in 8
+        run(8)
+        c.started(step, stall_s=0.0)
+        run(2, cost / 2)
+        c.durable(background_s=1.0)
+        run(SETTLE)
+    rep = c.report()
+    assert rep.step_s == pytest.approx(0.6) and rep.cost_s == pytest.approx(cost, abs=1e-9)
+    assert c.interval() == max(math.ceil(cost / (0.05 * 0.6) - 1e-9), 2 + SETTLE + 1)
+
+
 def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
     """The machine slows from 0.5 to 1.0 s a step between two saves, each of which adds 0.1 s to the
     steps it affects (its call's and the settling one): both cost 0.2 s (a baseline of all quiet
