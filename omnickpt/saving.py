@@ -538,8 +538,8 @@ def _stage_layout(collected: _Collected, writes, tensor_region: int, stable: Cal
 class _Reuse:
     """What a Checkpointer keeps of its last save on a process group for the next one, used only
     while the state's layout is unchanged: each module's and optimizer's SaveItems (the adapters'
-    SaveMemo checks their fingerprints), what the collect derived from the shards (records, digest,
-    the batch sent to plan), and the async snapshot's staging layout. With the plan cache, an
+    SaveMemo checks their fingerprints), what the collect derived from the shards (the record batch
+    sent to plan and its digest), and the async snapshot's staging layout. With the plan cache, an
     unchanged 18k-tensor state's save then does no per-tensor work but the fingerprint and the
     copies."""
     entries: SaveMemo = dataclasses.field(default_factory=SaveMemo)

@@ -240,6 +240,24 @@ def test_structure_digest_changes_with_any_structural_change():
     assert structure_digest([rec("w", (4, 4), Box((0, 0), (2, 4))), rec("b", (4,), dtype="float16",
                                                                            itemsize=2)]) != d
     assert structure_digest(base[::-1]) != d                   # order is the plan's index order
+    # a box of a tensor that spans more than 255 elements narrows its arrays to wider integers: the
+    # digest follows the values, not the integer width
+    assert structure_digest([rec("w", (400, 4), Box((0, 0), (2, 4))), rec("b", (4,))]) != structure_digest(
+        [rec("w", (400, 4), Box((300, 0), (2, 4))), rec("b", (4,))])
+
+
+def test_a_batch_of_boxes_of_several_dimensions_keeps_every_record():
+    # 0-d step counts, 1-d and 2-d boxes in one batch: padded to the widest, read back as they were,
+    # and the same batch whether made from records or from the shards' columns
+    recs = [rec("step", ()), rec("b", (300,), Box((256,), (44,))), rec("w", (4, 6), Box((2, 3), (2, 3)), "bfloat16", 2),
+            rec("z", (0, 4))]
+    batch = RecordBatch.from_records(recs)
+    assert batch.records() == recs and batch.offsets.shape == (4, 2)
+    assert batch.lengths[:2].tolist() == [[1, 1], [44, 1]]   # padded with length 1: a box's size is the product
+    cols = RecordBatch.from_columns([r.name for r in recs], [list(r.shape) for r in recs], [r.dtype for r in recs],
+                                    [r.itemsize for r in recs], [r.box for r in recs])
+    assert cols.records() == recs and cols.structure_digest() == batch.structure_digest() == structure_digest(recs)
+    assert RecordBatch.from_records([]).structure_digest() == structure_digest([])
 
 
 # ---------------------------------------------------------------------------------------- load plan

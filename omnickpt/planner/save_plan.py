@@ -111,8 +111,8 @@ class RecordBatch:
         offs = [b.offsets for b in boxes]
         lens = [b.lengths for b in boxes]
         if any(len(o) != ndim for o in offs):
-            offs = [o + (0,) * (ndim - len(o)) for o in offs]
-            lens = [x + (1,) * (ndim - len(x)) for x in lens]
+            offs = [tuple(o) + (0,) * (ndim - len(o)) for o in offs]
+            lens = [tuple(x) + (1,) * (ndim - len(x)) for x in lens]
         offsets = np.array(offs, dtype=np.int64).reshape(n, ndim)
         lengths = np.array(lens, dtype=np.int64).reshape(n, ndim)
         if n and min(offsets.min(), lengths.min()) >= 0:   # negative values keep int64 (refused by the plan)
