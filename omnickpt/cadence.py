@@ -33,14 +33,6 @@ in bench/cadence.py reported +4.9% against -0.2% outside). Flights are medians (
 so one slow save does not swing the interval; on a noisy machine a single save's cost can come out
 negative, and is kept so that the mean is not biased upwards.
 
-The first save a cadence measures (a process's first: the resume point at the first call) does work
-no later save repeats: the first plan and collect, and staging memory touched for the first time,
-which this VM backs lazily. On mlp/ddp in bench/cadence.py the interval chosen from it was 48-83
-steps (2.1-2.6 s a save) against 15-34 from the saves after it (0.5-0.7 s), and as one of the mean's
-window of 16 saves it kept the interval long through most of the bench's rounds, where a stopwatch
-saw -6% to +1% against a report of 5%. Its cost counts only until a later save has been measured: until then it is all there
-is, and it errs on the side of saving less often.
-
 A save whose affected steps were seen only in a call that covered several steps (save() not called
 at every step: a loop that paused its calls, bench/cadence.py's rounds without saves) is measured
 with the noise of all those steps: in bench/cadence.py one came out at -2.7 s beside saves of
@@ -138,7 +130,6 @@ class _Flight:
     background: float | None = None    # call to durable; None while in flight
     settle_left: int = SETTLE
     coarse: bool = False      # some of its steps were seen only as one call covering several
-    first: bool = False       # the first save this cadence measured (one-time work: see the module's docstring)
 
 
 class Cadence:
@@ -156,7 +147,6 @@ class Cadence:
         self._quiet: deque[float] = deque(maxlen=_WINDOW)      # seconds per quiet step
         self._open: _Flight | None = None                      # the save whose affected steps run now
         self._saves: deque[_Flight] = deque(maxlen=_WINDOW)    # closed: every affected step measured
-        self._starts = 0                                       # saves started (the first is one of a kind)
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
@@ -200,9 +190,7 @@ class Cadence:
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
         recent = list(self._quiet)[-_LOCAL:]
-        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None,
-                             first=self._starts == 0)
-        self._starts += 1
+        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None)
         self._last_saved = step
 
     def durable(self, background_s: float) -> None:
@@ -243,8 +231,6 @@ class Cadence:
             return None
         # saves measured step by step, when there are any (see the module's docstring: calls that skip steps)
         done = [f for f in done if not f.coarse] or done
-        # the first save stands for the others only until one of them is measured (the module's docstring)
-        done = [f for f in done if not f.first] or done
         med = statistics.median
         # each save against the quiet steps just before it (the machine's speed drifts: a baseline
         # from other minutes made single costs swing by a step's time); the first, which had none
