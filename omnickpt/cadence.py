@@ -222,9 +222,12 @@ class Cadence:
 
     def profiling(self) -> bool:
         """"auto" has no interval yet: no save measured to its end, or fewer than PROFILE_STEPS quiet steps."""
-        return self.every == "auto" and (len(self._quiet) < PROFILE_STEPS or self._medians() is None)
+        return self.every == "auto" and (len(self._quiet) < PROFILE_STEPS or self._figures() is None)
 
-    def _medians(self) -> dict | None:
+    def _figures(self) -> dict | None:
+        """What the interval is chosen from: the baseline and the cost per save as means (a stopwatch
+        sums both), the stall, time until durable and steps per save as medians; None before a save
+        has been measured to its end."""
         base = self.step_s
         done = [f for f in self._saves if f.background is not None]
         if base is None or not done:
@@ -249,7 +252,7 @@ class Cadence:
             return self.every
         if self.every == "continuous" or self.profiling():
             return None
-        m = self._medians()
+        m = self._figures()
         # the stall is measured directly: noise can make the mean cost smaller, not the save cheaper
         return choose_interval(m["step"], max(m["cost"], m["stall"]), 0.0, max_overhead=self.max_overhead,
                                max_interval=self.max_interval,
@@ -277,7 +280,7 @@ class Cadence:
 
     def own_report(self) -> CadenceReport:
         """This rank's measurements and the interval they give."""
-        interval, m = self.interval(), self._medians()
+        interval, m = self.interval(), self._figures()
         overhead = None
         if interval and m:
             overhead = max(m["cost"], m["stall"]) / (interval * m["step"])

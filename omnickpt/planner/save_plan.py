@@ -530,7 +530,8 @@ def _choose_writers(group, rank, nbytes, world, load0=None, count0=None) -> np.n
     sizes = nbytes[multi[bounds[:-1]]].tolist()
     if h.max() <= 8:
         # Few holders per box (DDP and HSDP replicas): on Python ints, not numpy scalars (a save's
-        # first plan, on the stall: 400 replicated boxes 0.7 -> 0.2 ms). The same rule as below.
+        # first plan, on the stall: 2 ranks x 400 replicated boxes planned in 1.42 -> 0.85 ms). The
+        # same rule as below.
         loads, counts, hold, b = load.tolist(), count.tolist(), holders_all.tolist(), bounds.tolist()
         picks = []
         for j in range(len(b) - 1):
