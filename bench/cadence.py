@@ -7,7 +7,9 @@ overhead the loop really pays, on a noisy machine.
 2 real gloo ranks (one compute thread each) train the workload. Each run, in one launch:
 
 1. warm-up: save() at every step with every="auto" (max_overhead 0.05) until the cadence has
-   profiled its baseline and the ranks agreed on an interval;
+   profiled its baseline, the ranks agreed on an interval and `--warmup-saves` saves were made (at
+   most `--warmup-max` steps); with `--warmup-saves 17` the cadence's window of 16 saves no longer
+   holds the first save (3-5x a steady one: staging faulted in, plans made), as in a long job;
 2. `--pairs` pairs of rounds, alternating: a round of n steps with no save() call (the baseline,
    measured now, beside the round it is compared with: the machine's speed drifts between rounds
    more than the target), then a round of n steps calling save(step, state, async_save=True) at every
@@ -54,7 +56,7 @@ def _build(name: str):
 
 
 def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pairs: int, min_steps: int,
-            control_every: int, warmup_max: int):
+            control_every: int, warmup_max: int, warmup_saves: int = 2):
     import torch.distributed as dist
 
     import omnickpt
@@ -120,14 +122,14 @@ def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pa
         warm = 0
         # every rank decides alike (rank 0's view): a rank that left the loop early would hang the others
         saves = 0
-        while warm < warmup_max and dist_all(mgr.cadence_report()["interval"] is None or saves < 2)[0]:
+        while warm < warmup_max and dist_all(mgr.cadence_report()["interval"] is None or saves < warmup_saves)[0]:
             train_step(model, module, opt, gen)
             step, warm = step + 1, warm + 1
             saves += mgr.save(step, state, async_save=True) is not None
         # the warm-up ends right after a save started: the first round without saves must not run
         # beside its flight (its steps are the baseline the first pair is measured against)
         mgr.wait()
-        result["warmup_steps"] = warm
+        result["warmup_steps"], result["warmup_saves"] = warm, saves
 
         def n_auto() -> int:
             k = mgr.cadence_report()["interval"] or 1
@@ -151,9 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--min-steps", type=int, default=24)
     ap.add_argument("--control-every", type=int, default=2)
     ap.add_argument("--max-overhead", type=float, default=0.05)
-    ap.add_argument("--warmup-max", type=int, default=60)
+    ap.add_argument("--warmup-max", type=int, default=60, help="most steps of the warm-up")
+    ap.add_argument("--warmup-saves", type=int, default=2,
+                    help="saves made before the rounds (17: the first save has left the cadence's window)")
     args = ap.parse_args(argv)
-    doc = {"max_overhead": args.max_overhead, "runs": args.runs, "pairs": args.pairs,
+    doc = {"max_overhead": args.max_overhead, "runs": args.runs, "pairs": args.pairs, "warmup_saves": args.warmup_saves,
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg(), "results": {}}
     med = statistics.median
     pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"   # noqa: E731
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
             root = tempfile.mkdtemp(prefix="omnickpt-cadence-", dir=os.path.join(HERE, "out"))
             try:
                 res = run_ranks(2, _worker, root, name, args.max_overhead, args.pairs, args.min_steps,
-                                args.control_every, args.warmup_max, timeout=3600)[0]
+                                args.control_every, args.warmup_max, args.warmup_saves, timeout=3600)[0]
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             res["outside"] = med(p["outside"] for p in res["auto"])
