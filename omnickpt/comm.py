@@ -5,10 +5,12 @@ tests can prove that a cached plan skips the planning exchange.
 """
 from __future__ import annotations
 
+import pickle
 import re
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from omnickpt.errors import CheckpointError, CheckpointTimeoutError, rebuild_error
@@ -33,6 +35,23 @@ def current_world() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
+# all_gather_object on a gloo group: every rank's pickle rides in a fixed slot of one all_gather
+# (with its length) when it fits, instead of torch's two collectives (the sizes, then the bytes).
+# Latency, not bytes, is the cost of the small exchanges a save makes in its stall (2 ranks here,
+# each exchange after a monitored barrier, medians of 45: 74 bytes 1.22 -> 0.70 ms, 8.8 KB 1.6 ->
+# 1.1 ms). The slots of all ranks together stay within SLOTS_BYTES, so at scale the first round is
+# as small as torch's sizes round; a rank whose pickle does not fit makes a second round.
+SLOTS_BYTES = 64 << 10
+SLOT_MAX = 32 << 10
+SLOT_MIN = 64
+_LENGTH = 8   # a slot's first bytes: the pickle's length (little-endian)
+
+
+def slot_bytes(world_size: int) -> int:
+    """Bytes of one rank's slot in the first round of a gather of `world_size` ranks (pure)."""
+    return max(SLOT_MIN, min(SLOT_MAX, SLOTS_BYTES // max(world_size, 1))) // 8 * 8
+
+
 class Comm:
     """`timeout`: seconds every rank waits for the others at each collective. On gloo process
     groups each collective is preceded by `dist.monitored_barrier`, so a rank that died or never
@@ -52,8 +71,9 @@ class Comm:
             self.rank, self.world_size = 0, 1
         self.collectives = 0
         self.timeout = timeout
-        self._monitored = (timeout is not None and self.world_size > 1
-                           and dist.get_backend(self.group) == dist.Backend.GLOO)
+        gloo = self.world_size > 1 and dist.get_backend(self.group) == dist.Backend.GLOO
+        self._monitored = timeout is not None and gloo
+        self._slot = slot_bytes(self.world_size) if gloo else 0   # NCCL: torch's path (device tensors)
         self._world = current_world()   # every group of the job goes with this one
 
     def _alive(self, step: str) -> None:
@@ -97,9 +117,32 @@ class Comm:
             return [obj]
         self.arrivals(step)
         self.collectives += 1
+        if self._slot:
+            return self._all_gather_pickled(obj)
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def _all_gather_pickled(self, obj: Any) -> list[Any]:
+        """all_gather_object in one gloo all_gather when every rank's pickle fits its slot (see
+        SLOTS_BYTES), else a second all_gather of every rank's bytes padded to the longest."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        slot = self._slot
+        mine = torch.zeros(_LENGTH + slot, dtype=torch.uint8)
+        mine[:_LENGTH] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH, "little")), dtype=torch.uint8)
+        if len(data) <= slot:
+            mine[_LENGTH:_LENGTH + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(got, mine, group=self.group)
+        lengths = [int.from_bytes(g[:_LENGTH].numpy().tobytes(), "little") for g in got]
+        if max(lengths) <= slot:
+            return [pickle.loads(g[_LENGTH:_LENGTH + n].numpy().tobytes()) for g, n in zip(got, lengths)]
+        longest = max(lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(got, mine, group=self.group)
+        return [pickle.loads(g[:n].numpy().tobytes()) for g, n in zip(got, lengths)]
 
     def gather_object(self, obj: Any, step: str = "") -> list[Any] | None:
         """Every rank's `obj` at the coordinator (None elsewhere)."""
