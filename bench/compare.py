@@ -10,8 +10,10 @@ evicted from the page cache first, fsync + POSIX_FADV_DONTNEED, as a restarted j
 library's save may leave its files cached and another's not) and warm (right after, cached). For
 every workload x framework, each library gets three
 launches: 2 ranks (async saves while training, async totals, durable sync saves, load at the same
-layout), 1 rank (2->1 resharded load, then a 1-rank save), 2 ranks (1->2 resharded load). Each
-figure is the slowest rank's time, median over the repetitions. Results: a table on stdout and
+layout), 1 rank (2->1 resharded load, then a 1-rank save), 2 ranks (1->2 resharded load), and
+`--first-launches` more 2-rank launches of the training loop with async saves alone (a process has one
+first save: its figure is the median over launches). Each figure is the slowest rank's time, median
+over the repetitions. Results: a table on stdout and
 bench/out/results[-quick].json. See BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -63,19 +65,24 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None) -> dict:
-    """Figures of one library from its three launches. Async-only libraries have no b and c and
-    no sync/load keys; loads-only ones have no async keys."""
+def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None,
+                  firsts: list[list[dict]] = ()) -> dict:
+    """Figures of one library from its three launches, and `firsts`: launches of the training loop
+    alone (scenario.first_saves), so that the first save's stall is the median over launches (one
+    sample each). Async-only libraries have no b and c and no sync/load keys; loads-only ones have
+    no async keys."""
     has_async, full = "async_stalls" in a[0], "sync_saves" in a[0]
 
     def med(key, rs=a):
         return median(slowest([r[key] for r in rs])) if rs and key in rs[0] else None
 
     stalls = slowest([r["async_stalls"] for r in a]) if has_async else []
+    # every launch's loop, the main one first: the slowest rank's stall of each save
+    loops = [stalls] + [slowest([r["async_stalls"] for r in f]) for f in firsts] if has_async else []
     fig = {
         "sync_save": med("sync_saves"),
-        "stall_first": stalls[0] if stalls else None,
-        "stall_steady": median(stalls[1:]),
+        "stall_first": median([loop[0] for loop in loops]) if loops else None,
+        "stall_steady": median([x for loop in loops for x in loop[1:]]),
         "async_total": med("async_totals"),
         "load": med("loads"),
         "load_2to1": med("loads", b),
@@ -99,6 +106,7 @@ def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None) -> 
         "state_bytes": a[0]["state_bytes"],
         "copy_floor_s": max(r["copy_floor_s"] for r in a),
         "stalls_all": stalls,
+        "stalls_first_launches": [loop[0] for loop in loops],
         "wait_for_previous_save": med("async_waits"),
         "rss_async_increase_mb": (max(r["rss_async"]["peak_mb"] - r["rss_async"]["start_mb"] for r in a)
                                   if has_async else None),
@@ -146,7 +154,9 @@ def run_config(workload: str, framework: str, libs: list[str], args, root: str) 
         a = run_ranks(2, scenario.main_layout, LIBS[lib], cfg)
         b = None if async_only else run_ranks(1, scenario.one_rank, LIBS[lib], cfg)
         c = None if async_only else run_ranks(2, scenario.scale_up, LIBS[lib], cfg)
-        results[lib] = summarize_lib(a, b, c)
+        firsts = [] if cfg["loads_only"] else [run_ranks(2, scenario.first_saves, LIBS[lib], cfg)
+                                               for _ in range(args.first_launches)]
+        results[lib] = summarize_lib(a, b, c, firsts)
         results[lib]["wall_s"] = time.time() - t0
         shutil.rmtree(lib_root, ignore_errors=True)
         f = results[lib]["figures"]
@@ -240,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--async-saves", type=int, help="async saves in the training loop, the first one "
                                                     "included (default 8; --quick 3)")
     ap.add_argument("--steps", type=int, default=2, help="training steps between two saves (default 2)")
+    ap.add_argument("--first-launches", type=int,
+                    help="launches of the training loop alone beside the main one, so that the first save's "
+                         "stall (one per process) is a median over launches (default 2; --quick 0)")
     ap.add_argument("--workloads", default="mlp,gpt")
     ap.add_argument("--frameworks", default="ddp,fsdp2")
     ap.add_argument("--libs", default="dcp,dcp-reuse,omnickpt,omnickpt-dedup",
@@ -251,6 +264,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.runs = args.runs or (2 if args.quick else 3)
     args.async_saves = args.async_saves or (3 if args.quick else 8)
+    args.first_launches = args.first_launches if args.first_launches is not None else (0 if args.quick else 2)
     suffix = "-quick" if args.quick else ""
     out_dir = os.path.join(HERE, "out")
     os.makedirs(out_dir, exist_ok=True)
@@ -271,7 +285,8 @@ def main(argv=None) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="omnickpt-bench-")
     os.makedirs(root, exist_ok=True)
     doc = {"environment": environment(root), "libs": libs,
-           "settings": {"runs": args.runs, "async_saves": args.async_saves, "steps_between_saves": args.steps,
+           "settings": {"runs": args.runs, "async_saves": args.async_saves, "first_launches": args.first_launches,
+                        "steps_between_saves": args.steps,
                         "quick": args.quick, "ranks": 2, "backend": "gloo", "threads_per_rank": 1,
                         "page_cache": "loads timed cold (files evicted: fsync + POSIX_FADV_DONTNEED) and warm (right after)"},
            "results": {}}

@@ -186,6 +186,37 @@ def _close(lib) -> None:
 
 
 # ---------------------------------------------------------------------------- scenarios
+def async_loop(lib, state: tuple, step, rank: int, root: str, cfg: dict) -> tuple[list, list, list]:
+    """A training loop that saves every `steps` steps; before each save it waits for the previous
+    one, as training loops do. The first save is the first of the process (cold: plans, staging
+    allocation); the rest are the steady state. `state`: (model, opt, module). Returns (stalls,
+    waits for the previous save, reports), each rank timing itself after a barrier."""
+    stalls, waits, reports = [], [], []
+    prev, prev_path = None, None
+    for i in range(cfg["async_saves"]):
+        for _ in range(cfg["steps"]):
+            step()
+        t0 = time.perf_counter()
+        if prev is not None:
+            rep = lib.wait(prev)
+            waits.append(time.perf_counter() - t0)
+            reports.append(rep)
+        barrier()
+        if prev_path and rank == 0:
+            rmtree(prev_path)
+        barrier()
+        path = os.path.join(root, f"async-{i}")
+        t0 = time.perf_counter()
+        prev = lib.async_save(path, *state)
+        stalls.append(time.perf_counter() - t0)
+        prev_path = path
+    reports.append(lib.wait(prev))
+    barrier()
+    if rank == 0:
+        rmtree(prev_path)
+    return stalls, waits, reports
+
+
 def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
     """2 ranks in the workload's layout: async saves while training, async totals, sync saves,
     load at the same layout. Leaves the last sync save at <root>/ckpt-2r for the 2->1 load."""
@@ -198,33 +229,9 @@ def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
     step = lambda: train_step(model, module, opt, gen)  # noqa: E731
 
     if not cfg.get("loads_only"):   # libraries measured for their loads only skip 1. and 2.
-        # 1. A training loop that saves every `steps` steps; before each save it waits for the previous
-        #    one, as training loops do. The first save is the first of the process (cold: plans,
-        #    staging allocation); the rest are the steady state.
-        stalls, waits = [], []
-        prev, prev_path = None, None
+        # 1. A training loop that saves every `steps` steps (async_loop).
         with PeakRSS() as mem_async:
-            for i in range(cfg["async_saves"]):
-                for _ in range(cfg["steps"]):
-                    step()
-                t0 = time.perf_counter()
-                if prev is not None:
-                    rep = lib.wait(prev)
-                    waits.append(time.perf_counter() - t0)
-                    reports["async"].append(rep)
-                barrier()
-                if prev_path and rank == 0:
-                    rmtree(prev_path)
-                barrier()
-                path = os.path.join(root, f"async-{i}")
-                t0 = time.perf_counter()
-                prev = lib.async_save(path, model, opt, module)
-                stalls.append(time.perf_counter() - t0)
-                prev_path = path
-            reports["async"].append(lib.wait(prev))
-        barrier()
-        if rank == 0:
-            rmtree(prev_path)
+            stalls, waits, reports["async"] = async_loop(lib, (model, opt, module), step, rank, root, cfg)
         out.update(async_stalls=stalls, async_waits=waits, rss_async=mem_async.as_dict())
 
         # 2. Async total: from the call until committed (nothing else running).
@@ -277,6 +284,18 @@ def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
     out["reports"] = reports if rank == 0 else {}
     _close(lib)
     return out
+
+
+def first_saves(rank: int, world: int, make_lib, cfg: dict) -> dict:
+    """2 ranks in the workload's layout, a fresh process: the training loop with async saves of
+    main_layout's part 1 and nothing else. A process has one first save; bench/compare.py launches
+    this a few times so that its first-save figure is a median over launches, not one sample."""
+    lib = make_lib()
+    model, opt, module, gen = build(cfg["workload"], cfg["framework"], quick=cfg["quick"])
+    stalls, _, _ = async_loop(lib, (model, opt, module), lambda: train_step(model, module, opt, gen), rank,
+                              cfg["root"], cfg)
+    _close(lib)
+    return {"rank": rank, "code": code_digest(), "async_stalls": stalls}
 
 
 def one_rank(rank: int, world: int, make_lib, cfg: dict) -> dict:

@@ -1,0 +1,52 @@
+"""bench/compare.py's first-save figure is a median over launches: a process has one first save, so
+one launch gives one sample of it. Its summary is a pure function, checked here on launches whose
+answer is known (the benchmark itself runs for minutes)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compare():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def _launch(stalls_per_rank: list[list[float]]) -> list[dict]:
+    """One 2-rank launch of the async loop alone (async-only shape: no sync saves or loads)."""
+    return [{"rank": r, "code": "c0", "state_bytes": 100, "copy_floor_s": 0.01, "async_stalls": s,
+             "async_waits": [0.0] * (len(s) - 1), "rss_async": {"start_mb": 10.0, "peak_mb": 20.0 + r}}
+            for r, s in enumerate(stalls_per_rank)]
+
+
+def test_first_stall_is_the_median_over_launches_of_the_slowest_rank():
+    compare = _compare()
+    main = _launch([[0.050, 0.010, 0.011], [0.020, 0.012, 0.009]])     # first save: 0.050 (rank 0)
+    firsts = [_launch([[0.018, 0.008, 0.010], [0.021, 0.007, 0.013]]),  # 0.021 (rank 1)
+              _launch([[0.030, 0.009, 0.006], [0.012, 0.005, 0.006]])]  # 0.030
+    res = compare.summarize_lib(main, None, None, firsts)
+    fig, extra = res["figures"], res["extra"]
+    assert extra["stalls_first_launches"] == [0.050, 0.021, 0.030]
+    assert fig["stall_first"] == 0.030   # not the main launch's 0.050 alone
+    # steady: every launch's later saves, slowest rank: 0.012 0.011 | 0.008 0.013 | 0.009 0.006
+    assert fig["stall_steady"] == pytest.approx(0.010)   # 0.006 0.008 0.009 | 0.011 0.012 0.013
+    assert extra["stalls_all"] == [0.050, 0.012, 0.011]   # the main launch's own record is kept
+    assert fig["rss_async"] == 21.0
+
+
+def test_without_extra_launches_the_main_launch_alone_gives_the_figures():
+    compare = _compare()
+    res = compare.summarize_lib(_launch([[0.040, 0.010, 0.020], [0.030, 0.011, 0.012]]), None, None)
+    assert res["figures"]["stall_first"] == 0.040
+    assert res["figures"]["stall_steady"] == pytest.approx(0.0155)
