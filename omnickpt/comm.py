@@ -38,8 +38,8 @@ def current_world() -> Any:
 # all_gather_object on a gloo group: every rank's pickle rides in a fixed slot of one all_gather
 # (with its length) when it fits, instead of torch's two collectives (the sizes, then the bytes).
 # Latency, not bytes, is the cost of the small exchanges a save makes in its stall (2 ranks here,
-# each exchange after a monitored barrier, medians of 45: 74 bytes 1.22 -> 0.70 ms, 8.8 KB 1.6 ->
-# 1.1 ms). The slots of all ranks together stay within SLOTS_BYTES, so at scale the first round is
+# each exchange after a monitored barrier, medians of 45: 74 bytes 1.1 -> 0.7 ms, 8.8 KB 1.5 ->
+# 1.1 ms; BENCHMARKS.md). The slots of all ranks together stay within SLOTS_BYTES, so at scale the first round is
 # as small as torch's sizes round; a rank whose pickle does not fit makes a second round.
 SLOTS_BYTES = 64 << 10
 SLOT_MAX = 32 << 10
@@ -127,22 +127,23 @@ class Comm:
         """all_gather_object in one gloo all_gather when every rank's pickle fits its slot (see
         SLOTS_BYTES), else a second all_gather of every rank's bytes padded to the longest."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        slot = self._slot
-        mine = torch.zeros(_LENGTH + slot, dtype=torch.uint8)
-        mine[:_LENGTH] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH, "little")), dtype=torch.uint8)
-        if len(data) <= slot:
-            mine[_LENGTH:_LENGTH + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        got = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(got, mine, group=self.group)
-        lengths = [int.from_bytes(g[:_LENGTH].numpy().tobytes(), "little") for g in got]
-        if max(lengths) <= slot:
-            return [pickle.loads(g[_LENGTH:_LENGTH + n].numpy().tobytes()) for g, n in zip(got, lengths)]
-        longest = max(lengths)
-        mine = torch.zeros(longest, dtype=torch.uint8)
+        fits = len(data) <= self._slot
+        first = self._all_gather_bytes(len(data).to_bytes(_LENGTH, "little") + (data if fits else b""),
+                                       _LENGTH + self._slot)
+        lengths = [int.from_bytes(g[:_LENGTH].tobytes(), "little") for g in first]
+        if max(lengths) <= self._slot:
+            return [pickle.loads(g[_LENGTH:_LENGTH + n]) for g, n in zip(first, lengths)]
+        second = self._all_gather_bytes(data, max(lengths))
+        return [pickle.loads(g[:n]) for g, n in zip(second, lengths)]
+
+    def _all_gather_bytes(self, data: bytes, size: int) -> list[Any]:
+        """Every rank's `data` (at most `size` bytes), each padded with zeros to `size`, as numpy
+        uint8 arrays (pickle reads slices of them in place)."""
+        mine = torch.zeros(size, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         got = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(got, mine, group=self.group)
-        return [pickle.loads(g[:n].numpy().tobytes()) for g, n in zip(got, lengths)]
+        return [g.numpy() for g in got]
 
     def gather_object(self, obj: Any, step: str = "") -> list[Any] | None:
         """Every rank's `obj` at the coordinator (None elsewhere)."""
