@@ -39,8 +39,8 @@ def current_world() -> Any:
 # (with its length) when it fits, instead of torch's two collectives (the sizes, then the bytes).
 # Latency, not bytes, is the cost of the small exchanges a save makes in its stall (2 ranks here,
 # each exchange after a monitored barrier, medians of 45: 74 bytes 1.1 -> 0.7 ms, 8.8 KB 1.5 ->
-# 1.1 ms; BENCHMARKS.md). The slots of all ranks together stay within SLOTS_BYTES, so at scale the first round is
-# as small as torch's sizes round; a rank whose pickle does not fit makes a second round.
+# 1.1 ms; BENCHMARKS.md). The slots of all ranks together stay within SLOTS_BYTES, so at scale the
+# first round is as small as torch's sizes round; a rank whose pickle does not fit makes a second round.
 SLOTS_BYTES = 64 << 10
 SLOT_MAX = 32 << 10
 SLOT_MIN = 64
