@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -188,26 +189,50 @@ def _step_ended(ref: weakref.ref, optimizer, args, kwargs) -> None:
 
 
 class SnapshotFence:
-    """Holds every optimizer's step() until `release()`; `wait()` waits for the same thing."""
+    """Holds every optimizer's step() until `release()`; `wait()` waits for the same thing.
 
-    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], what: str):
+    What the training thread loses to a lazy snapshot is the save's stall plus the time an
+    optimizer step (or fence()) waits here for the copy: a copy into staging memory touched for the
+    first time, or one that meets a busy machine, moves the save's cost from the save() call to the
+    next step. That wait is counted (`held_s`; `on_held(seconds, start)` as it ends), so that a
+    report's stall is not a lazy snapshot's whole cost. It is measured from the release: the
+    snapshot's thread knows when the copy ended, and a waiter woken later is late by the scheduler,
+    not by the save."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], what: str,
+                 on_held: Callable[[float, float], None] | None = None):
         self.what = what
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
         self._pid = os.getpid()
+        self.held_s = 0.0                      # seconds the training thread waited here
+        self._waiting: float | None = None     # perf_counter when it began to wait, while it waits
+        self._on_held = on_held
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         # A child forked while the copy ran steps on its own copy of the memory, which the parent's
         # snapshot never reads, and no thread of the child would ever release the fence.
         if os.getpid() == self._pid:
-            self.wait()
+            self._hold()
+
+    def _hold(self, timeout: float | None = None) -> None:
+        """The training thread waits for the copy (its wait counted at the release)."""
+        if not self._done.is_set():
+            self._waiting = time.perf_counter()
+        self.wait(timeout)
 
     def release(self, error: BaseException | None = None) -> None:
         """The snapshot's thread: the copy is done (or failed: the step may go on either way, the
         save reports its own failure)."""
         self._error = error
+        since, self._waiting = self._waiting, None
         self._done.set()
+        if since is not None:
+            held = max(time.perf_counter() - since, 0.0)
+            self.held_s += held
+            if self._on_held is not None:
+                self._on_held(held, since)
 
     @property
     def released(self) -> bool:
@@ -220,7 +245,7 @@ class SnapshotFence:
 
     def remove(self, timeout: float | None = None) -> None:
         """The training thread, once released: take the hooks off the optimizers."""
-        self.wait(timeout)
+        self._hold(timeout)
         for h in self._hooks:
             h.remove()
         self._hooks = []

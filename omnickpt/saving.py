@@ -208,7 +208,8 @@ class _SaveJob:
             # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
             # written from their own memory stay fenced until written (save() itself waits when
             # training could change them otherwise than by a step).
-            self.fence = SnapshotFence(optimizers_in(self.state) if self.options.lazy else [], f"save to {self.path}")
+            self.fence = SnapshotFence(optimizers_in(self.state) if self.options.lazy else [], f"save to {self.path}",
+                                       on_held=lambda seconds, start: self.timer.add("held", seconds, start=start))
             snap.release, snap.blocking = self.fence.release, blocking
             self.ckpt._fences.append(self.fence)
             if snap.deferred is not None:

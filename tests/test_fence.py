@@ -62,6 +62,34 @@ def test_a_step_waits_for_the_release_and_the_hooks_come_off():
     opt.step()      # no fence left
 
 
+def test_the_time_a_step_is_held_is_counted_from_its_wait_to_the_release():
+    model, opt = _model_and_opt()
+    seen = []
+    fence = SnapshotFence([opt], "save to x", on_held=lambda seconds, start: seen.append((seconds, start)))
+    t = threading.Thread(target=opt.step)
+    t.start()
+    time.sleep(0.25)
+    before_release = time.perf_counter()
+    fence.release()
+    t.join(10)
+    assert len(seen) == 1 and seen[0][0] == fence.held_s
+    held, start = seen[0]
+    assert 0.2 <= held <= time.perf_counter() - start
+    assert start < before_release - 0.2   # the wait began in the step, not at the release
+    fence.remove()
+    assert fence.held_s == held   # removing the hooks after the release waits for nothing
+
+
+def test_a_fence_released_before_any_step_holds_nothing():
+    model, opt = _model_and_opt()
+    seen = []
+    fence = SnapshotFence([opt], "save to x", on_held=lambda seconds, start: seen.append(seconds))
+    fence.release()
+    opt.step()
+    fence.remove()
+    assert fence.held_s == 0.0 and seen == []
+
+
 def _step_in_child(opt, queue):
     opt.step()
     queue.put("stepped")

@@ -10,6 +10,7 @@ fence the steps would run before the copy and reach the checkpoint.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -224,6 +225,31 @@ def test_the_next_save_and_load_wait_for_the_lazy_copy(tmp_path):
         ckpt.load(tmp_path / "b", {"model": model})
         h1.wait()
         assert _differ(want, _load_values(ckpt, str(tmp_path / "a"))) == []
+
+
+def test_a_step_held_by_the_lazy_copy_is_reported_beside_the_stall(tmp_path):
+    """An optimizer step that waits at the fence for the background copy is training's loss to the
+    save as much as the stall: the report counts it ("held", drawn beside the phases like the
+    stall, not in a rank's total). A step taken once the copy is done is not held."""
+    from omnickpt.monitor.report import ENVELOPES, rank_total
+    model, opt = _plain()
+    with omnickpt.Checkpointer() as ckpt:
+        _hold_copier(ckpt, 0.4)
+        h = ckpt.save(tmp_path / "a", {"model": model, "optim": opt}, async_save=True)
+        t0 = time.perf_counter()
+        _train(model, opt, 1, 0)
+        stepped = time.perf_counter() - t0
+        seconds = h.wait()["per_rank"][0]["seconds"]
+        assert 0.05 < seconds["held"] < stepped
+        assert "held" in ENVELOPES
+        assert rank_total(seconds) == pytest.approx(sum(v for k, v in seconds.items() if k not in ("stall", "held")))
+
+        h = ckpt.save(tmp_path / "b", {"model": model, "optim": opt}, async_save=True)
+        deadline = time.monotonic() + 30
+        while not h.staged() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _train(model, opt, 2, 0)
+        assert "held" not in h.wait()["per_rank"][0]["seconds"]
 
 
 def test_a_failed_background_copy_releases_the_fence_and_fails_the_save(tmp_path, monkeypatch):

@@ -26,7 +26,8 @@ def format_text(doc: dict) -> str:
     phases = doc["phases"]
     rows = doc["table"]
     if len(rows) <= MAX_TABLE_RANKS:
-        lines.append("seconds per rank and phase (stall: what training waited for; it spans plan..snapshot):")
+        lines.append("seconds per rank and phase (stall: what training waited for; it spans plan..snapshot"
+                     + ("; held: an optimizer step waiting for the lazy copy" if "held" in phases else "") + "):")
         lines += table(("RANK",) + tuple(p.upper() for p in phases) + ("TOTAL", "BYTES"),
                        [(r["rank"],) + tuple(_secs(r["seconds"].get(p)) for p in phases)
                         + (_secs(r["total"]), human_bytes(r["bytes"])) for r in rows],

@@ -11,7 +11,8 @@ rank's record carries "events" ([phase, start, seconds], start in seconds since 
 the wall-clock time its save began), the timeline lays each rank's phases end to end in the
 order a save runs them, which is the real order but not the real waiting between them, and says
 so ("approximate"). The phase "stall" (what training waited for) spans plan..snapshot, so it is
-drawn beside them, not after.
+drawn beside them, not after; so is "held", the time an optimizer step waited for a lazy snapshot's
+copy (after the stall, beside the background copy).
 
 A report is a file anyone may hand us: every number in it is checked before use, and anything
 malformed is a CorruptCheckpointError naming the file and the field. Everything here is linear in
@@ -34,8 +35,9 @@ REPORT_NAME = "report.json"
 # The order the phases of a save and of a load run in (api.Checkpointer.save / load).
 PHASE_ORDER = ("plan", "serialize", "exchange", "snapshot", "objects", "read", "verify", "checksum", "write",
                "fsync", "install", "forward", "persist", "commit")
-# Phases that contain others rather than follow them.
-ENVELOPES = ("stall",)
+# Training's waits, drawn beside the phases they overlap rather than after them (and not summed
+# into a rank's total): the save() call, and an optimizer step held by a lazy snapshot's fence.
+ENVELOPES = ("stall", "held")
 # Phase colours (no grey: the stall is drawn in black).
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
             "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5")
@@ -246,7 +248,7 @@ def trace(report: dict) -> dict:
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
         events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "phases"}})
         if any(p in ENVELOPES for p, _, _ in spans):
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "stall"}})
+            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "training waits"}})
         for phase, start, secs in spans:
             events.append({"name": phase, "cat": tl.kind, "ph": "X", "pid": r, "tid": 1 if phase in ENVELOPES else 0,
                            "ts": round(start * 1e6, 3), "dur": round(secs * 1e6, 3),
@@ -305,7 +307,7 @@ def draw_png(report: dict, out: str) -> None:
     _label_axes(ax, tl, doc, shown, group)
     handles = [Patch(color=c, label=p) for p, c in colors.items()]
     if any(p in ENVELOPES for p in tl.phases):
-        handles.append(Patch(color="black", alpha=0.55, label="stall (training waits)"))
+        handles.append(Patch(color="black", alpha=0.55, label="training waits (stall, held step)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
