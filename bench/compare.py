@@ -13,7 +13,10 @@ launches: 2 ranks (async saves while training, async totals, durable sync saves,
 layout), 1 rank (2->1 resharded load, then a 1-rank save), 2 ranks (1->2 resharded load), and
 `--first-launches` more 2-rank launches of the training loop with async saves alone (a process has one
 first save: its figure is the median over launches). Each figure is the slowest rank's time, median
-over the repetitions. Results: a table on stdout and
+over the repetitions. The stall is the save() call; "stall + next step's excess" adds how much longer
+the training step after the save took than the loop's other steps, which is where a lazy snapshot's
+copy holds the optimizer step (omnickpt) and a background save competes with training (both): what
+training loses to a save. Results: a table on stdout and
 bench/out/results[-quick].json. See BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -44,6 +47,8 @@ FIGURES = [
     ("sync_save", "sync save, durable", "s"),
     ("stall_steady", "async stall, steady state", "s"),
     ("stall_first", "async stall, first save", "s"),
+    ("held_steady", "training lost, steady save", "s"),
+    ("held_first", "training lost, first save", "s"),
     ("async_total", "async total, until committed", "s"),
     ("load", "load, same layout, cold", "s"),
     ("load_2to1", "load, resharded 2->1, cold", "s"),
@@ -79,10 +84,16 @@ def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None,
     stalls = slowest([r["async_stalls"] for r in a]) if has_async else []
     # every launch's loop, the main one first: the slowest rank's stall of each save
     loops = [stalls] + [slowest([r["async_stalls"] for r in f]) for f in firsts] if has_async else []
+    # what training loses to each save but the last: its stall and the extra time of the step after
+    # it (a lazy copy not done holds that step's optimizer step; a background save competes with it)
+    lost = [slowest([[s + x for s, x in zip(r["async_stalls"], r["async_after"])] for r in launch])
+            for launch in [a, *firsts]] if has_async and "async_after" in a[0] else []
     fig = {
         "sync_save": med("sync_saves"),
         "stall_first": median([loop[0] for loop in loops]) if loops else None,
         "stall_steady": median([x for loop in loops for x in loop[1:]]),
+        "held_first": median([loop[0] for loop in lost if loop]) if lost else None,
+        "held_steady": median([x for loop in lost for x in loop[1:]]) if lost else None,
         "async_total": med("async_totals"),
         "load": med("loads"),
         "load_2to1": med("loads", b),
@@ -107,6 +118,7 @@ def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None,
         "copy_floor_s": max(r["copy_floor_s"] for r in a),
         "stalls_all": stalls,
         "stalls_first_launches": [loop[0] for loop in loops],
+        "lost_per_save": lost,
         "wait_for_previous_save": med("async_waits"),
         "rss_async_increase_mb": (max(r["rss_async"]["peak_mb"] - r["rss_async"]["start_mb"] for r in a)
                                   if has_async else None),

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import time
 
 import torch
@@ -186,16 +187,23 @@ def _close(lib) -> None:
 
 
 # ---------------------------------------------------------------------------- scenarios
-def async_loop(lib, state: tuple, step, rank: int, root: str, cfg: dict) -> tuple[list, list, list]:
+def async_loop(lib, state: tuple, step, rank: int, root: str, cfg: dict) -> tuple[list, list, list, list]:
     """A training loop that saves every `steps` steps; before each save it waits for the previous
     one, as training loops do. The first save is the first of the process (cold: plans, staging
     allocation); the rest are the steady state. `state`: (model, opt, module). Returns (stalls,
-    waits for the previous save, reports), each rank timing itself after a barrier."""
-    stalls, waits, reports = [], [], []
+    waits for the previous save, reports, each round's step seconds), each rank timing itself after
+    a barrier. Round i holds the steps before save i, so the first step of round i + 1 is the one
+    after save i: a lazy snapshot's copy still running holds its optimizer step, and a background
+    save competes with it (what training loses besides the stall; `after_save_excess`)."""
+    stalls, waits, reports, rounds = [], [], [], []
     prev, prev_path = None, None
     for i in range(cfg["async_saves"]):
+        times = []
         for _ in range(cfg["steps"]):
+            t0 = time.perf_counter()
             step()
+            times.append(time.perf_counter() - t0)
+        rounds.append(times)
         t0 = time.perf_counter()
         if prev is not None:
             rep = lib.wait(prev)
@@ -214,7 +222,15 @@ def async_loop(lib, state: tuple, step, rank: int, root: str, cfg: dict) -> tupl
     barrier()
     if rank == 0:
         rmtree(prev_path)
-    return stalls, waits, reports
+    return stalls, waits, reports, rounds
+
+
+def after_save_excess(rounds: list[list[float]]) -> list[float]:
+    """Per save but the last (pure): how much longer the first step after it took than the loop's
+    other steps (their median; the steps before the first save included)."""
+    quiet = [t for r in rounds for t in r[1:]] + rounds[0][:1]
+    base = statistics.median(quiet)
+    return [r[0] - base for r in rounds[1:]]
 
 
 def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
@@ -231,8 +247,9 @@ def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
     if not cfg.get("loads_only"):   # libraries measured for their loads only skip 1. and 2.
         # 1. A training loop that saves every `steps` steps (async_loop).
         with PeakRSS() as mem_async:
-            stalls, waits, reports["async"] = async_loop(lib, (model, opt, module), step, rank, root, cfg)
-        out.update(async_stalls=stalls, async_waits=waits, rss_async=mem_async.as_dict())
+            stalls, waits, reports["async"], rounds = async_loop(lib, (model, opt, module), step, rank, root, cfg)
+        out.update(async_stalls=stalls, async_waits=waits, async_after=after_save_excess(rounds),
+                   rss_async=mem_async.as_dict())
 
         # 2. Async total: from the call until committed (nothing else running).
         totals = []
@@ -292,10 +309,10 @@ def first_saves(rank: int, world: int, make_lib, cfg: dict) -> dict:
     this a few times so that its first-save figure is a median over launches, not one sample."""
     lib = make_lib()
     model, opt, module, gen = build(cfg["workload"], cfg["framework"], quick=cfg["quick"])
-    stalls, _, _ = async_loop(lib, (model, opt, module), lambda: train_step(model, module, opt, gen), rank,
-                              cfg["root"], cfg)
+    stalls, _, _, rounds = async_loop(lib, (model, opt, module), lambda: train_step(model, module, opt, gen), rank,
+                                      cfg["root"], cfg)
     _close(lib)
-    return {"rank": rank, "code": code_digest(), "async_stalls": stalls}
+    return {"rank": rank, "code": code_digest(), "async_stalls": stalls, "async_after": after_save_excess(rounds)}
 
 
 def one_rank(rank: int, world: int, make_lib, cfg: dict) -> dict:

@@ -33,6 +33,9 @@ from omnickpt.storage.linked import with_siblings
 if TYPE_CHECKING:
     from omnickpt.api import Checkpointer
 
+# What a staging buffer warmed after a load (_warm_staging) holds beyond the rank's loaded file.
+WARM_SLACK = 1 << 20
+
 
 @dataclasses.dataclass
 class LoadResult:
@@ -130,6 +133,7 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
     # a reader that failed never leaves its peers waiting for forwarded bytes).
     comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())
     timings = comm.run_step(f"load from {path}, step install", lambda: reading.install() or job.timer.as_dict())
+    _warm_staging(ckpt, job.manifest, comm)
     report = summarize("load", timings, total_seconds=time.perf_counter() - t_start)
     report["path"] = job.storage.describe()
     if job.manifest is not None and job.manifest.quantized:
@@ -137,6 +141,24 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
         loaded = job.items.names() if isinstance(job.items, ReadPlan) else {it.name for it in job.items}
         report["quantized"] = {n: q for n, q in job.manifest.quantized.items() if n in loaded}
     return LoadResult(differences, report)
+
+
+def _warm_staging(ckpt: Checkpointer, manifest: Manifest | None, comm: Comm) -> None:
+    """After a load, a restarted job's first save stages about what this rank wrote into the loaded
+    checkpoint: have the staging pool warm a buffer of that size in the background (niced, on the
+    persist thread), so that the lazy copy the next optimizer step waits for does not fault fresh
+    memory in (on this project's 2-core VM: 1.7-2.9 s against 0.1-0.25 s warm, for 400 MB a rank).
+    Only where the estimate holds: an omnickpt checkpoint of the same world size, stored raw and
+    whole (compressed and incremental files are smaller than their staging), host staging (pinned
+    staging for GPU tensors is not warmed), and staging kept between saves (release_staging=False)."""
+    if (manifest is None or ckpt.release_staging or manifest.world_size != comm.world_size or manifest.compression
+            or manifest.block_bytes is not None or manifest.derived or "format" in manifest.layout
+            or torch.cuda.is_available()):
+        return
+    mine = [f.bytes for f in manifest.files if f.rank == comm.rank]
+    if mine:
+        # slack: the next save's objects (a step count, a data loader's position) may take a page more
+        ckpt._persist.submit(ckpt._pool.warm, mine[0], WARM_SLACK)
 
 
 class _Reading:

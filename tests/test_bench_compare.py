@@ -23,11 +23,12 @@ def _compare():
         sys.path.remove(str(ROOT / "bench"))
 
 
-def _launch(stalls_per_rank: list[list[float]]) -> list[dict]:
+def _launch(stalls_per_rank: list[list[float]], after_per_rank: list[list[float]] | None = None) -> list[dict]:
     """One 2-rank launch of the async loop alone (async-only shape: no sync saves or loads)."""
+    after = after_per_rank or [[0.0] * (len(s) - 1) for s in stalls_per_rank]
     return [{"rank": r, "code": "c0", "state_bytes": 100, "copy_floor_s": 0.01, "async_stalls": s,
-             "async_waits": [0.0] * (len(s) - 1), "rss_async": {"start_mb": 10.0, "peak_mb": 20.0 + r}}
-            for r, s in enumerate(stalls_per_rank)]
+             "async_after": a, "async_waits": [0.0] * (len(s) - 1), "rss_async": {"start_mb": 10.0, "peak_mb": 20.0 + r}}
+            for r, (s, a) in enumerate(zip(stalls_per_rank, after))]
 
 
 def test_first_stall_is_the_median_over_launches_of_the_slowest_rank():
@@ -50,3 +51,31 @@ def test_without_extra_launches_the_main_launch_alone_gives_the_figures():
     res = compare.summarize_lib(_launch([[0.040, 0.010, 0.020], [0.030, 0.011, 0.012]]), None, None)
     assert res["figures"]["stall_first"] == 0.040
     assert res["figures"]["stall_steady"] == pytest.approx(0.0155)
+
+
+def test_what_a_save_costs_training_adds_the_next_steps_excess_to_its_stall():
+    """A lazy snapshot's copy into new staging holds the next optimizer step: the first save's stall
+    alone hides it. Per save (not the last, which no step follows): the slowest rank's stall plus the
+    excess of the step after it; first = median over launches, steady = the later saves pooled."""
+    compare = _compare()
+    main = _launch([[0.010, 0.004, 0.005], [0.012, 0.003, 0.004]], [[2.000, 0.030], [1.500, 0.050]])
+    firsts = [_launch([[0.011, 0.004], [0.009, 0.005]], [[0.800], [0.900]]),
+              _launch([[0.020, 0.006], [0.010, 0.004]], [[1.100], [0.200]])]
+    res = compare.summarize_lib(main, None, None, firsts)
+    fig, extra = res["figures"], res["extra"]
+    assert extra["lost_per_save"] == [[pytest.approx(2.010), pytest.approx(0.053)], [pytest.approx(0.909)],
+                                      [pytest.approx(1.120)]]
+    assert fig["held_first"] == pytest.approx(1.120)
+    assert fig["held_steady"] == pytest.approx(0.053)
+    assert fig["stall_first"] == pytest.approx(0.012)   # the stall alone is unchanged
+
+
+def test_the_step_after_a_save_is_measured_against_the_loops_other_steps():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import scenario
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    # rounds: the steps before save 0, 1, 2; the first step of rounds 1 and 2 follows saves 0 and 1
+    rounds = [[0.30, 0.31], [2.50, 0.29], [0.40, 0.30]]
+    assert scenario.after_save_excess(rounds) == [pytest.approx(2.20), pytest.approx(0.10)]

@@ -94,6 +94,10 @@ def _page_aligned(nbytes: int, pin: bool) -> torch.Tensor:
     return raw[shift:shift + nbytes]
 
 
+# warm() faults a buffer in by pieces of this size, checking between them whether a save wants it.
+WARM_CHUNK = 4 << 20
+
+
 class StagingPool:
     """Reusable page-aligned host buffers: `slots` of them at most, and with a `budget` never more
     than `budget` bytes held in all (idle buffers are dropped to make room; a request waits while
@@ -108,6 +112,8 @@ class StagingPool:
         self.peak = 0           # the most bytes held at any time (the budget's check)
         self._out: set[int] = set()   # addresses of the buffers handed out
         self._cond = threading.Condition()
+        # Set while warm() faults a buffer in; acquire() sets the event to have it handed over.
+        self._warming: threading.Event | None = None
 
     @property
     def largest(self) -> int | None:
@@ -133,6 +139,12 @@ class StagingPool:
         if self.largest is not None and nbytes > self.largest:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         with self._cond:
+            if self._warming is not None:
+                # a buffer being warmed for this request: taken as far as it is warm (warm() stops
+                # at the end of its chunk and puts it back), rather than fresh memory beside it
+                self._warming.set()
+                while self._warming is not None:
+                    self._cond.wait()
             buf = self._reuse_or_reserve(nbytes, pin)
             if buf is not None:
                 return buf
@@ -171,6 +183,55 @@ class StagingPool:
                 self.peak = max(self.peak, self._held)
                 return None
             self._cond.wait()
+
+    def warm(self, nbytes: int, slack: int = 0, chunk: int = WARM_CHUNK) -> bool:
+        """A background thread: have an idle buffer of at least `nbytes` ready, its pages faulted
+        in, for the next acquire(). A buffer's first use faults every page in, and a lazy
+        snapshot's copy into it is what the next optimizer step waits for: warmed ahead (a
+        restarted job's first save, after its load), that copy runs at memcpy speed. The buffer
+        made holds `slack` bytes more than `nbytes` (an estimate's margin). Gives way: an
+        acquire() meanwhile gets the buffer as far as it is warm, at the end of the current
+        `chunk`. Nothing is done when an idle buffer of `nbytes` exists, a buffer is in use (its
+        save or load has its memory), the budget has no room, or another warm() runs. Returns
+        whether a buffer was warmed."""
+        if self.largest is not None and nbytes + slack > self.largest:
+            return False
+        with self._cond:
+            if self._warming is not None or self._out or not self._free or any(
+                    b is not None and b.numel() >= nbytes and not b.is_pinned() for b in self._free):
+                return False
+            nbytes = max(nbytes + slack, 1)
+            idle = sum(_footprint(b) for b in self._free if b is not None)
+            if self.budget is not None and self._held - idle + nbytes + _PAGE > self.budget:
+                return False
+            for i, b in enumerate(self._free):   # the smaller idle ones go, as acquire() would drop them
+                if b is not None:
+                    self._held -= _footprint(b)
+                    self._free[i] = None
+            self._free.pop()
+            self._held += nbytes + _PAGE
+            self.peak = max(self.peak, self._held)
+            wanted = self._warming = threading.Event()
+        buf = None
+        try:
+            buf = _page_aligned(nbytes, False)
+            addr = buf.data_ptr()
+            for off in range(0, nbytes, chunk):
+                if wanted.is_set():
+                    break
+                # one thread, the GIL released (a ctypes call), not torch's intra-op pool, which
+                # would fault at the training threads' priority
+                ctypes.memset(addr + off, 0, min(chunk, nbytes - off))
+        finally:
+            with self._cond:
+                self._warming = None
+                if buf is None:
+                    self._held -= nbytes + _PAGE
+                    self._free.append(None)
+                else:
+                    self._free.append(buf)
+                self._cond.notify_all()
+        return True
 
     def release(self, buf: torch.Tensor, *, keep: bool = True) -> None:
         """Give `buf` back; keep=False frees its memory now instead of keeping it for the next save.

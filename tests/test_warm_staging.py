@@ -1,0 +1,137 @@
+"""A restarted job's first save finds its staging memory warm (issue 22). A buffer's first use
+faults every page in, and a lazy snapshot's copy into it is what the next optimizer step waits for
+("held" in the report). After a load the staging pool warms, in the background, a buffer of the size
+this rank wrote into the loaded checkpoint (StagingPool.warm), giving it up to a save that asks for
+it meanwhile, and never making a second buffer beside one in use."""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import torch
+
+import omnickpt
+from omnickpt.engine import staging
+from omnickpt.engine.staging import StagingPool
+
+MB = 1 << 20
+
+
+def test_a_warmed_buffer_is_what_the_next_acquire_gets():
+    pool = StagingPool()
+    assert pool.warm(3 * MB, slack=MB)
+    assert pool.idle_largest() == 4 * MB
+    warmed = pool._free[-1].data_ptr()
+    buf = pool.acquire(3 * MB)
+    assert buf.data_ptr() == warmed and pool.held == 4 * MB + staging._PAGE   # one buffer, not two
+    pool.release(buf)
+
+
+def test_warm_does_nothing_where_memory_is_there_or_in_use_or_over_budget():
+    pool = StagingPool()
+    assert pool.warm(2 * MB)
+    assert not pool.warm(2 * MB)               # an idle buffer as large is there
+    assert not pool.warm(MB)
+    buf = pool.acquire(2 * MB)
+    assert not pool.warm(8 * MB)               # a save holds its staging: no second buffer beside it
+    pool.release(buf)
+    assert pool.warm(8 * MB)                   # the smaller idle one makes way, as acquire() would
+    assert pool.held == 8 * MB + staging._PAGE
+    small = StagingPool(budget=4 * MB)
+    assert not small.warm(8 * MB)
+
+
+def test_an_acquire_while_warming_takes_the_buffer_being_warmed(monkeypatch):
+    """The save does not wait for the whole buffer, and does not get fresh memory beside it: warm()
+    stops at the end of its chunk and hands the buffer over."""
+    pool = StagingPool()
+    in_chunk, go, chunks = threading.Event(), threading.Event(), []
+    real = ctypes.memset
+
+    def slow_memset(addr, value, n):
+        chunks.append(n)
+        in_chunk.set()
+        go.wait(10)
+        return real(addr, value, n)
+    monkeypatch.setattr(staging.ctypes, "memset", slow_memset)
+    warmer = threading.Thread(target=pool.warm, args=(64 * MB,), kwargs={"chunk": MB})
+    warmer.start()
+    assert in_chunk.wait(10)
+    got: list[torch.Tensor] = []
+    taker = threading.Thread(target=lambda: got.append(pool.acquire(64 * MB)))
+    taker.start()
+    time.sleep(0.1)
+    assert not got            # it waits for the chunk under way...
+    go.set()
+    taker.join(10)
+    warmer.join(10)
+    assert len(got) == 1 and got[0].numel() == 64 * MB
+    assert len(chunks) < 64   # ...not for the whole buffer
+    assert pool.held == 64 * MB + staging._PAGE
+    pool.release(got[0])
+
+
+def _state(layers: int = 4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def _wait_warm(pool: StagingPool, nbytes: int) -> None:
+    deadline = time.monotonic() + 30
+    while pool.idle_largest() < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_after_a_load_the_first_save_stages_into_warm_memory(tmp_path, monkeypatch):
+    import omnickpt.engine.load as engine_load
+    # a load in two passes through a small buffer, as a restarted process's large load runs: the
+    # pool then holds nothing as large as the next save's staging
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 64 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    omnickpt.save(tmp_path / "base", _state()).wait()
+    state = _state()
+    allocated = []
+    real = staging._page_aligned
+    monkeypatch.setattr(staging, "_page_aligned", lambda n, pin: (allocated.append(n), real(n, pin))[1])
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.load(tmp_path / "base", state)
+        _wait_warm(ckpt._pool, 2 * MB)
+        assert ckpt._pool.idle_largest() > 2 * MB
+        before = list(allocated)
+        h = ckpt.save(tmp_path / "next", state, async_save=True)
+        h.wait()
+        assert allocated == before, "the first save after the load faulted fresh staging in"
+    assert omnickpt.is_committed(str(tmp_path / "next"))
+
+
+def test_no_warming_where_staging_is_released_after_each_save(tmp_path, monkeypatch):
+    import omnickpt.engine.load as engine_load
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 64 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    omnickpt.save(tmp_path / "base", _state()).wait()
+    state = _state()
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        ckpt.load(tmp_path / "base", state)
+        ckpt._persist.submit(int).result(10)   # anything the load queued has run
+        assert ckpt._pool.idle_largest() < 2 * MB
+
+
+def test_a_save_right_after_the_load_gets_one_buffer_not_two(tmp_path, monkeypatch):
+    """A save that comes before the warming is done takes the buffer as far as it is warm; a
+    warming queued after a save took its staging makes nothing."""
+    import omnickpt.engine.load as engine_load
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 64 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    omnickpt.save(tmp_path / "base", _state(8)).wait()
+    state = _state(8)
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.load(tmp_path / "base", state)
+        ckpt.save(tmp_path / "next", state, async_save=True).wait()
+        ckpt._persist.submit(int).result(10)
+        assert sum(1 for b in ckpt._pool._free if b is not None) == 1
+        assert ckpt._pool.held == ckpt._pool.idle_largest() + staging._PAGE
