@@ -147,7 +147,8 @@ def _warm_staging(ckpt: Checkpointer, manifest: Manifest | None, comm: Comm) -> 
     """After a load, a restarted job's first save stages about what this rank wrote into the loaded
     checkpoint: have the staging pool warm a buffer of that size in the background (niced, on the
     persist thread), so that the lazy copy the next optimizer step waits for does not fault fresh
-    memory in (on this project's 2-core VM: 1.7-2.9 s against 0.1-0.25 s warm, for 400 MB a rank).
+    memory in (bench/resume.py: the 806 MB MLP's first save cost training 2.5-3.3 s from scratch,
+    0.25-0.35 s after a load).
     Only where the estimate holds: an omnickpt checkpoint of the same world size, stored raw and
     whole (compressed and incremental files are smaller than their staging), host staging (pinned
     staging for GPU tensors is not warmed), and staging kept between saves (release_staging=False)."""
