@@ -241,6 +241,7 @@ class Checkpointer:
             except CheckpointError as e:
                 log.error("omnickpt: async save to %s failed and was never waited for: %s", h.path, e)
         self._await_snapshots()
+        self._pool.stop_warming()   # a staging buffer warmed after a load, for a save that will not come
         self._persist.shutdown(wait=True)
         if self._copier is not None:
             self._copier.shutdown(wait=True)

@@ -19,6 +19,7 @@ from omnickpt.engine import load as engine_load
 from omnickpt.engine.load import check_file_sizes, forward_replicas, land_tensors
 from omnickpt.engine.staging import gc_paused
 from omnickpt.errors import MismatchError
+from omnickpt.fence import optimizers_in
 from omnickpt.format import MANIFEST_NAME, Manifest
 from omnickpt.formats import NAMES, bind_keys, read_manifest
 from omnickpt.layout import Box
@@ -133,7 +134,7 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
     # a reader that failed never leaves its peers waiting for forwarded bytes).
     comm.run_step(f"load from {path}, step read", reading.land, on_failure=lambda _: reading.discard())
     timings = comm.run_step(f"load from {path}, step install", lambda: reading.install() or job.timer.as_dict())
-    _warm_staging(ckpt, job.manifest, comm)
+    _warm_staging(ckpt, job.manifest, comm, state)
     report = summarize("load", timings, total_seconds=time.perf_counter() - t_start)
     report["path"] = job.storage.describe()
     if job.manifest is not None and job.manifest.quantized:
@@ -143,18 +144,19 @@ def load(ckpt: Checkpointer, path: str, state: dict, options: LoadOptions) -> Lo
     return LoadResult(differences, report)
 
 
-def _warm_staging(ckpt: Checkpointer, manifest: Manifest | None, comm: Comm) -> None:
-    """After a load, a restarted job's first save stages about what this rank wrote into the loaded
-    checkpoint: have the staging pool warm a buffer of that size in the background (niced, on the
-    persist thread), so that the lazy copy the next optimizer step waits for does not fault fresh
-    memory in (bench/resume.py: the 806 MB MLP's first save cost training 2.5-3.3 s from scratch,
-    0.25-0.35 s after a load).
-    Only where the estimate holds: an omnickpt checkpoint of the same world size, stored raw and
-    whole (compressed and incremental files are smaller than their staging), host staging (pinned
-    staging for GPU tensors is not warmed), and staging kept between saves (release_staging=False)."""
-    if (manifest is None or ckpt.release_staging or manifest.world_size != comm.world_size or manifest.compression
-            or manifest.block_bytes is not None or manifest.derived or "format" in manifest.layout
-            or torch.cuda.is_available()):
+def _warm_staging(ckpt: Checkpointer, manifest: Manifest | None, comm: Comm, state: dict) -> None:
+    """After a load into a training state, a restarted job's first save stages about what this rank
+    wrote into the loaded checkpoint: have the staging pool warm a buffer of that size in the
+    background (niced, on the persist thread), so that the lazy copy the next optimizer step waits for
+    does not fault fresh memory in (bench/resume.py: the 806 MB MLP's first save cost training
+    2.5-3.3 s from scratch, 0.25-0.35 s after a load). Only a state holding an optimizer is a training
+    state: a load for inference never saves, and must not be given memory of its checkpoint's size.
+    Only where the estimate holds: an omnickpt checkpoint of the same world size, stored raw and whole
+    (compressed and incremental files are smaller than their staging), host staging (pinned staging
+    for GPU tensors is not warmed), and staging kept between saves (release_staging=False)."""
+    if (manifest is None or not optimizers_in(state) or ckpt.release_staging
+            or manifest.world_size != comm.world_size or manifest.compression or manifest.block_bytes is not None
+            or manifest.derived or "format" in manifest.layout or torch.cuda.is_available()):
         return
     mine = [f.bytes for f in manifest.files if f.rank == comm.rank]
     if mine:

@@ -135,3 +135,36 @@ def test_a_save_right_after_the_load_gets_one_buffer_not_two(tmp_path, monkeypat
         ckpt._persist.submit(int).result(10)
         assert sum(1 for b in ckpt._pool._free if b is not None) == 1
         assert ckpt._pool.held == ckpt._pool.idle_largest() + staging._PAGE
+
+
+def test_a_load_without_an_optimizer_warms_nothing(tmp_path, monkeypatch):
+    """A load for inference never saves: it is not given memory of its checkpoint's size."""
+    import omnickpt.engine.load as engine_load
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 64 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    omnickpt.save(tmp_path / "base", _state()).wait()
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.load(tmp_path / "base", {"model": _state()["model"]}, strict=False)
+        ckpt._persist.submit(int).result(10)
+        assert ckpt._pool.idle_largest() < 2 * MB
+
+
+def test_closing_stops_a_warming_under_way(monkeypatch):
+    pool = StagingPool()
+    in_chunk, go, chunks = threading.Event(), threading.Event(), []
+    real = ctypes.memset
+
+    def slow_memset(addr, value, n):
+        chunks.append(n)
+        in_chunk.set()
+        go.wait(10)
+        return real(addr, value, n)
+    monkeypatch.setattr(staging.ctypes, "memset", slow_memset)
+    warmer = threading.Thread(target=pool.warm, args=(64 * MB,), kwargs={"chunk": MB})
+    warmer.start()
+    assert in_chunk.wait(10)
+    pool.stop_warming()
+    go.set()
+    warmer.join(10)
+    assert not warmer.is_alive() and len(chunks) == 1
+    assert not pool.warm(MB)   # and none after

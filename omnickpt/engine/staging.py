@@ -114,6 +114,8 @@ class StagingPool:
         self._cond = threading.Condition()
         # Set while warm() faults a buffer in; acquire() sets the event to have it handed over.
         self._warming: threading.Event | None = None
+        self._no_warm = False   # stop_warming(): the pool's owner is closing
+        self._making = 0        # buffers reserved by acquire() and being allocated (not in _out yet)
 
     @property
     def largest(self) -> int | None:
@@ -153,9 +155,12 @@ class StagingPool:
         try:
             buf = _page_aligned(nbytes, pin)
         except BaseException:
+            with self._cond:
+                self._making -= 1
             self._forget(nbytes + _PAGE)
             raise
         with self._cond:
+            self._making -= 1
             self._out.add(buf.data_ptr())
         return buf
 
@@ -181,6 +186,7 @@ class StagingPool:
                 self._free.pop()
                 self._held += nbytes + _PAGE
                 self.peak = max(self.peak, self._held)
+                self._making += 1
                 return None
             self._cond.wait()
 
@@ -197,7 +203,7 @@ class StagingPool:
         if self.largest is not None and nbytes + slack > self.largest:
             return False
         with self._cond:
-            if self._warming is not None or self._out or not self._free or any(
+            if self._no_warm or self._warming is not None or self._out or self._making or not self._free or any(
                     b is not None and b.numel() >= nbytes and not b.is_pinned() for b in self._free):
                 return False
             nbytes = max(nbytes + slack, 1)
@@ -232,6 +238,14 @@ class StagingPool:
                     self._free.append(buf)
                 self._cond.notify_all()
         return True
+
+    def stop_warming(self) -> None:
+        """No more warm(): one under way stops at the end of its chunk (its owner is closing, and a
+        buffer nobody will save into is not worth the wait)."""
+        with self._cond:
+            self._no_warm = True
+            if self._warming is not None:
+                self._warming.set()
 
     def release(self, buf: torch.Tensor, *, keep: bool = True) -> None:
         """Give `buf` back; keep=False frees its memory now instead of keeping it for the next save.
