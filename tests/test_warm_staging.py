@@ -42,10 +42,9 @@ def test_warm_does_nothing_where_memory_is_there_or_in_use_or_over_budget():
     assert not small.warm(8 * MB)
 
 
-def test_an_acquire_while_warming_takes_the_buffer_being_warmed(monkeypatch):
-    """The save does not wait for the whole buffer, and does not get fresh memory beside it: warm()
-    stops at the end of its chunk and hands the buffer over."""
-    pool = StagingPool()
+def _warming_held(pool: StagingPool, monkeypatch) -> tuple[threading.Event, list, threading.Thread]:
+    """A warm() of 64 MiB in 1 MiB chunks on a thread, held inside its first chunk until the
+    returned event is set: (that event, the chunk sizes touched so far, the thread)."""
     in_chunk, go, chunks = threading.Event(), threading.Event(), []
     real = ctypes.memset
 
@@ -58,6 +57,14 @@ def test_an_acquire_while_warming_takes_the_buffer_being_warmed(monkeypatch):
     warmer = threading.Thread(target=pool.warm, args=(64 * MB,), kwargs={"chunk": MB})
     warmer.start()
     assert in_chunk.wait(10)
+    return go, chunks, warmer
+
+
+def test_an_acquire_while_warming_takes_the_buffer_being_warmed(monkeypatch):
+    """The save does not wait for the whole buffer, and does not get fresh memory beside it: warm()
+    stops at the end of its chunk and hands the buffer over."""
+    pool = StagingPool()
+    go, chunks, warmer = _warming_held(pool, monkeypatch)
     got: list[torch.Tensor] = []
     taker = threading.Thread(target=lambda: got.append(pool.acquire(64 * MB)))
     taker.start()
@@ -151,18 +158,7 @@ def test_a_load_without_an_optimizer_warms_nothing(tmp_path, monkeypatch):
 
 def test_closing_stops_a_warming_under_way(monkeypatch):
     pool = StagingPool()
-    in_chunk, go, chunks = threading.Event(), threading.Event(), []
-    real = ctypes.memset
-
-    def slow_memset(addr, value, n):
-        chunks.append(n)
-        in_chunk.set()
-        go.wait(10)
-        return real(addr, value, n)
-    monkeypatch.setattr(staging.ctypes, "memset", slow_memset)
-    warmer = threading.Thread(target=pool.warm, args=(64 * MB,), kwargs={"chunk": MB})
-    warmer.start()
-    assert in_chunk.wait(10)
+    go, chunks, warmer = _warming_held(pool, monkeypatch)
     pool.stop_warming()
     go.set()
     warmer.join(10)
