@@ -74,7 +74,7 @@ def summarize(kind_launches: list[list[dict]]) -> dict:
     """A kind's launches -> first and steady figures (medians; pure)."""
     lost = [_lost(launch) for launch in kind_launches]
     stall = [[max(r["stalls"][i] for r in launch) for i in range(len(launch[0]["stalls"]))] for launch in kind_launches]
-    held = [launch[0]["held"] for launch in kind_launches]
+    held = [launch[0]["held"][:-1] for launch in kind_launches]   # the saves `lost` covers
     med = statistics.median
     return {"lost_first": med([x[0] for x in lost]), "lost_steady": med([v for x in lost for v in x[1:]]),
             "stall_first": med([x[0] for x in stall]), "stall_steady": med([v for x in stall for v in x[1:]]),
@@ -91,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-steps", type=int, default=3, help="steps between the load and the loop")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "resume.json"))
     args = ap.parse_args(argv)
+    if args.saves < 3 or args.steps < 2:
+        ap.error("--saves 3 or more (a first save, a steady one, and a last that no step follows) and --steps 2 "
+                 "or more (the step after a save is compared with the others)")
     root = tempfile.mkdtemp(prefix="omnickpt-resume-")
     doc: dict = {"command": " ".join(["bench/resume.py"] + (argv if argv is not None else sys.argv[1:])),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": {}}

@@ -227,9 +227,13 @@ def async_loop(lib, state: tuple, step, rank: int, root: str, cfg: dict) -> tupl
 
 def after_save_excess(rounds: list[list[float]]) -> list[float]:
     """Per save but the last (pure): how much longer the first step after it took than the loop's
-    other steps (their median; the steps before the first save included)."""
-    quiet = [t for r in rounds for t in r[1:]] + rounds[0][:1]
-    base = statistics.median(quiet)
+    other steps (their median: every round's steps but its first; the loop's very first step, the
+    process's coldest, is no baseline either). Signed: noise makes some excesses negative, and
+    clamping them would bias the median upwards. Empty with fewer than 2 steps a round (no step
+    to compare with)."""
+    if not rounds or min(len(r) for r in rounds) < 2:
+        return []
+    base = statistics.median(t for r in rounds for t in r[1:])
     return [r[0] - base for r in rounds[1:]]
 
 

@@ -195,7 +195,7 @@ class SnapshotFence:
     optimizer step (or fence()) waits here for the copy: a copy into staging memory touched for the
     first time, or one that meets a busy machine, moves the save's cost from the save() call to the
     next step. That wait is counted (`held_s`; `on_held(seconds, start)` as it ends), so that a
-    report's stall is not a lazy snapshot's whole cost. It is measured from the release: the
+    report's stall is not a lazy snapshot's whole cost (only an optimizer step's wait: see _hold). It is measured from the release: the
     snapshot's thread knows when the copy ended, and a waiter woken later is late by the scheduler,
     not by the save."""
 
@@ -216,23 +216,26 @@ class SnapshotFence:
         if os.getpid() == self._pid:
             self._hold()
 
-    def _hold(self, timeout: float | None = None) -> None:
-        """The training thread waits for the copy (its wait counted at the release)."""
+    def _hold(self) -> None:
+        """An optimizer step waits for the copy (its wait counted at the release). Only a step's
+        wait is counted: the next save's or load's wait for the copy is in its own stall, and
+        fence() or wait() are the caller's choice to wait."""
         if not self._done.is_set():
             self._waiting = time.perf_counter()
-        self.wait(timeout)
+        self.wait()
 
     def release(self, error: BaseException | None = None) -> None:
         """The snapshot's thread: the copy is done (or failed: the step may go on either way, the
-        save reports its own failure)."""
+        save reports its own failure). A step's wait is counted before it goes on, so that it is in
+        the timer by the time the save's timings are taken."""
         self._error = error
         since, self._waiting = self._waiting, None
-        self._done.set()
         if since is not None:
             held = max(time.perf_counter() - since, 0.0)
             self.held_s += held
             if self._on_held is not None:
                 self._on_held(held, since)
+        self._done.set()
 
     @property
     def released(self) -> bool:
@@ -245,7 +248,7 @@ class SnapshotFence:
 
     def remove(self, timeout: float | None = None) -> None:
         """The training thread, once released: take the hooks off the optimizers."""
-        self._hold(timeout)
+        self.wait(timeout)
         for h in self._hooks:
             h.remove()
         self._hooks = []

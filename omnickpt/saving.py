@@ -276,8 +276,11 @@ class _SaveJob:
             _sample_rss(timer)
             if snap.blocking:   # save() returns when the fence opens, just below
                 timer.add("stall", time.perf_counter() - self.t_start)
-            timings = timer.as_dict()
-            snap.settle()   # after the timings: a blocked save() goes on and the training thread uses the timer
+                timings = timer.as_dict()
+                snap.settle()   # after the timings: a blocked save() goes on and the training thread uses the timer
+            else:
+                snap.settle()   # before: an optimizer step held until the write is counted ("held")
+                timings = timer.as_dict()
         result.timings = timings
         return result, header
 
@@ -497,6 +500,8 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
     layout of the last async save is reused (`reuse`) when its shards, writes and sizes are the same."""
     staging, layout = None, None
     on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
+    if not async_save:
+        pool.drop_speculative()   # warmed after a load for an async save; a sync save packs into small buffers
     if async_save:
         with timer.phase("snapshot"):
             layout = _stage_layout(collected, writes, tensor_region, stable, pool.largest, reuse)

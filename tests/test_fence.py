@@ -90,6 +90,19 @@ def test_a_fence_released_before_any_step_holds_nothing():
     assert fence.held_s == 0.0 and seen == []
 
 
+def test_only_an_optimizer_steps_wait_is_counted():
+    """The next save's or load's wait for the copy is in its own stall; fence() and wait() are the
+    caller's choice: none of them is a held step."""
+    model, opt = _model_and_opt()
+    fence = SnapshotFence([opt], "save to x")
+    t = threading.Thread(target=fence.remove)
+    t.start()
+    time.sleep(0.2)
+    fence.release()
+    t.join(10)
+    assert fence.held_s == 0.0
+
+
 def _step_in_child(opt, queue):
     opt.step()
     queue.put("stepped")

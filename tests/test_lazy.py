@@ -323,6 +323,19 @@ def test_a_budget_smaller_than_the_state_saves_exactly_and_holds(tmp_path, snaps
             assert len(report["peak_rss_mb"]) == 1 and report["peak_rss_mb"][0] > 0
 
 
+def test_a_step_held_until_the_write_over_the_budget_is_reported(tmp_path):
+    """Over the staging budget, the step is held until the tensors written from their own memory
+    are written: that wait reaches the report too (the fence opens after the write, and the
+    timings are taken after it opens)."""
+    model, opt = _big_state()
+    with omnickpt.Checkpointer(staging_budget=256 << 10) as ckpt:
+        _hold_copier(ckpt, 0.4)
+        handle = ckpt.save(tmp_path / "s", {"model": model, "optim": opt}, async_save=True)
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        assert handle.wait()["per_rank"][0]["seconds"]["held"] > 0.1
+
+
 def test_release_staging_frees_the_pool_after_each_save(tmp_path):
     model, opt = _big_state()
     with omnickpt.Checkpointer(release_staging=True) as ckpt:

@@ -164,3 +164,44 @@ def test_closing_stops_a_warming_under_way(monkeypatch):
     warmer.join(10)
     assert not warmer.is_alive() and len(chunks) == 1
     assert not pool.warm(MB)   # and none after
+
+
+def test_a_warm_does_not_start_beside_an_acquire_waiting_for_a_slot():
+    """A save waiting for a slot while the last buffer in use comes back must not then wait for a
+    whole warming that started in between."""
+    pool = StagingPool(slots=1)
+    held = pool.acquire(MB)
+    got: list[torch.Tensor] = []
+    taker = threading.Thread(target=lambda: got.append(pool.acquire(2 * MB)))
+    taker.start()
+    time.sleep(0.1)   # it waits for the one slot
+    pool.release(held)
+    assert not pool.warm(8 * MB)
+    taker.join(10)
+    assert got and pool.held == 2 * MB + staging._PAGE
+    pool.release(got[0])
+
+
+def test_a_warmed_buffer_no_save_used_goes_at_a_sync_save(tmp_path, monkeypatch):
+    """Warmed after a load for an async save; a job that saves synchronously packs small buffers
+    and would keep the warmed one for nothing."""
+    pool = StagingPool()
+    assert pool.warm(4 * MB)
+    pool.drop_speculative()
+    assert pool.held == 0 and pool.idle_largest() == 0
+    assert pool.warm(4 * MB)
+    pool.release(pool.acquire(4 * MB))   # used by a save: kept, as every staging buffer is
+    pool.drop_speculative()
+    assert pool.idle_largest() == 4 * MB
+
+    import omnickpt.engine.load as engine_load
+    monkeypatch.setattr(engine_load, "REREAD_BATCH", 64 << 10)
+    monkeypatch.setattr(engine_load, "REREAD_MIN", 0)
+    omnickpt.save(tmp_path / "base", _state()).wait()
+    state = _state()
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.load(tmp_path / "base", state)
+        _wait_warm(ckpt._pool, 2 * MB)
+        assert ckpt._pool.idle_largest() > 2 * MB
+        ckpt.save(tmp_path / "sync", state).wait()
+        assert ckpt._pool.idle_largest() < 2 * MB

@@ -116,6 +116,8 @@ class StagingPool:
         self._warming: threading.Event | None = None
         self._no_warm = False   # stop_warming(): the pool's owner is closing
         self._making = 0        # buffers reserved by acquire() and being allocated (not in _out yet)
+        self._asking = 0        # acquire() calls under way: a warm() does not start beside them
+        self._speculative: int | None = None   # address of the idle buffer warm() made, until used
 
     @property
     def largest(self) -> int | None:
@@ -141,14 +143,20 @@ class StagingPool:
         if self.largest is not None and nbytes > self.largest:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         with self._cond:
-            if self._warming is not None:
-                # a buffer being warmed for this request: taken as far as it is warm (warm() stops
-                # at the end of its chunk and puts it back), rather than fresh memory beside it
-                self._warming.set()
-                while self._warming is not None:
-                    self._cond.wait()
-            buf = self._reuse_or_reserve(nbytes, pin)
+            self._asking += 1
+            try:
+                if self._warming is not None:
+                    # a buffer being warmed for this request: taken as far as it is warm (warm() stops
+                    # at the end of its chunk and puts it back), rather than fresh memory beside it
+                    self._warming.set()
+                    while self._warming is not None:
+                        self._cond.wait()
+                buf = self._reuse_or_reserve(nbytes, pin)
+            finally:
+                self._asking -= 1
             if buf is not None:
+                if buf.data_ptr() == self._speculative:
+                    self._speculative = None
                 return buf
         # Not zero-filled: the first snapshot's copy faults the pages in (one pass over the
         # memory instead of two), and every later save reuses them at memcpy speed.
@@ -182,6 +190,7 @@ class StagingPool:
                 if b is not None:
                     self._held -= _footprint(b)
                     self._free[i] = None
+            self._speculative = None
             if self.budget is None or self._held + nbytes + _PAGE <= self.budget:
                 self._free.pop()
                 self._held += nbytes + _PAGE
@@ -203,8 +212,9 @@ class StagingPool:
         if self.largest is not None and nbytes + slack > self.largest:
             return False
         with self._cond:
-            if self._no_warm or self._warming is not None or self._out or self._making or not self._free or any(
-                    b is not None and b.numel() >= nbytes and not b.is_pinned() for b in self._free):
+            if (self._no_warm or self._warming is not None or self._out or self._making or self._asking
+                    or not self._free
+                    or any(b is not None and b.numel() >= nbytes and not b.is_pinned() for b in self._free)):
                 return False
             nbytes = max(nbytes + slack, 1)
             idle = sum(_footprint(b) for b in self._free if b is not None)
@@ -236,8 +246,20 @@ class StagingPool:
                     self._free.append(None)
                 else:
                     self._free.append(buf)
+                    self._speculative = buf.data_ptr()
                 self._cond.notify_all()
         return True
+
+    def drop_speculative(self) -> None:
+        """Free the buffer warm() made if no acquire() has used it yet: the save it was made for
+        turned out not to need staging (a sync save), and a job that saves that way would keep it
+        for nothing."""
+        with self._cond:
+            for i, b in enumerate(self._free):
+                if b is not None and b.data_ptr() == self._speculative:
+                    self._held -= _footprint(b)
+                    self._free[i] = None
+            self._speculative = None
 
     def stop_warming(self) -> None:
         """No more warm(): one under way stops at the end of its chunk (its owner is closing, and a
@@ -271,6 +293,7 @@ class StagingPool:
         with self._cond:
             self._held -= sum(_footprint(b) for b in self._free if b is not None)
             self._free = [None] * len(self._free)
+            self._speculative = None
 
 
 def _footprint(buf: torch.Tensor) -> int:
