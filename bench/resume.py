@@ -113,9 +113,9 @@ def main(argv=None) -> int:
             res = {k: summarize(v) for k, v in kinds.items()}
             doc["results"][name] = res
             for k, r in res.items():
-                print(f"{name:<10} {k:<8} training lost, first save {r['lost_first']:.3f} s (held {r['held_first']:.3f}, "
-                      f"stall {r['stall_first']:.3f}); steady {r['lost_steady']:.3f} s (held {r['held_steady']:.3f}, "
-                      f"stall {r['stall_steady']:.3f})", flush=True)
+                print(f"{name:<10} {k:<8} training lost, first save {r['lost_first']:.3f} s "
+                      f"(held {r['held_first']:.3f}, stall {r['stall_first']:.3f}); steady {r['lost_steady']:.3f} s "
+                      f"(held {r['held_steady']:.3f}, stall {r['stall_steady']:.3f})", flush=True)
             shutil.rmtree(base, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -192,12 +192,11 @@ class SnapshotFence:
     """Holds every optimizer's step() until `release()`; `wait()` waits for the same thing.
 
     What the training thread loses to a lazy snapshot is the save's stall plus the time an
-    optimizer step (or fence()) waits here for the copy: a copy into staging memory touched for the
-    first time, or one that meets a busy machine, moves the save's cost from the save() call to the
-    next step. That wait is counted (`held_s`; `on_held(seconds, start)` as it ends), so that a
-    report's stall is not a lazy snapshot's whole cost (only an optimizer step's wait: see _hold). It is measured from the release: the
-    snapshot's thread knows when the copy ended, and a waiter woken later is late by the scheduler,
-    not by the save."""
+    optimizer step waits here for the copy: a copy into staging memory touched for the first time,
+    or one that meets a busy machine, moves the save's cost from the save() call to the next step.
+    That wait is counted (`held_s`; `on_held(seconds, start)` as it ends), so that a report's stall
+    is not a lazy snapshot's whole cost. It is measured up to the release: the snapshot's thread
+    knows when the copy ended, and a waiter woken later is late by the scheduler, not by the save."""
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer], what: str,
                  on_held: Callable[[float, float], None] | None = None):
