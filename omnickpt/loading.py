@@ -152,11 +152,13 @@ def _warm_staging(ckpt: Checkpointer, manifest: Manifest | None, comm: Comm, sta
     2.5-3.3 s from scratch, 0.25-0.35 s after a load). Only a state holding an optimizer is a training
     state: a load for inference never saves, and must not be given memory of its checkpoint's size.
     Only where the estimate holds: an omnickpt checkpoint of the same world size, stored raw and whole
-    (compressed and incremental files are smaller than their staging), host staging (pinned staging
-    for GPU tensors is not warmed), and staging kept between saves (release_staging=False)."""
-    if (manifest is None or not optimizers_in(state) or ckpt.release_staging
+    (compressed and incremental files are smaller than their staging), host staging (the pinned
+    staging of a state on GPUs is not warmed), and staging kept between saves (release_staging=False)."""
+    optimizers = optimizers_in(state)
+    if (not optimizers or manifest is None or ckpt.release_staging
             or manifest.world_size != comm.world_size or manifest.compression or manifest.block_bytes is not None
-            or manifest.derived or "format" in manifest.layout or torch.cuda.is_available()):
+            or manifest.derived or "format" in manifest.layout
+            or any(p.is_cuda for o in optimizers for g in o.param_groups for p in g["params"])):
         return
     mine = [f.bytes for f in manifest.files if f.rank == comm.rank]
     if mine:
