@@ -47,8 +47,8 @@ FIGURES = [
     ("sync_save", "sync save, durable", "s"),
     ("stall_steady", "async stall, steady state", "s"),
     ("stall_first", "async stall, first save", "s"),
-    ("held_steady", "training lost, steady save", "s"),
-    ("held_first", "training lost, first save", "s"),
+    ("lost_steady", "training lost, steady save", "s"),
+    ("lost_first", "training lost, first save", "s"),
     ("async_total", "async total, until committed", "s"),
     ("load", "load, same layout, cold", "s"),
     ("load_2to1", "load, resharded 2->1, cold", "s"),
@@ -86,14 +86,13 @@ def summarize_lib(a: list[dict], b: list[dict] | None, c: list[dict] | None,
     loops = [stalls] + [slowest([r["async_stalls"] for r in f]) for f in firsts] if has_async else []
     # what training loses to each save but the last: its stall and the extra time of the step after
     # it (a lazy copy not done holds that step's optimizer step; a background save competes with it)
-    lost = [slowest([[s + x for s, x in zip(r["async_stalls"], r["async_after"])] for r in launch])
-            for launch in [a, *firsts]] if has_async and "async_after" in a[0] else []
+    lost = [scenario.lost_per_save(launch) for launch in [a, *firsts]] if has_async and "async_after" in a[0] else []
     fig = {
         "sync_save": med("sync_saves"),
         "stall_first": median([loop[0] for loop in loops]) if loops else None,
         "stall_steady": median([x for loop in loops for x in loop[1:]]),
-        "held_first": median([loop[0] for loop in lost if loop]) if lost else None,
-        "held_steady": median([x for loop in lost for x in loop[1:]]) if lost else None,
+        "lost_first": median([loop[0] for loop in lost if loop]) if lost else None,
+        "lost_steady": median([x for loop in lost for x in loop[1:]]) if lost else None,
         "async_total": med("async_totals"),
         "load": med("loads"),
         "load_2to1": med("loads", b),

@@ -62,18 +62,14 @@ def _launch(rank: int, world: int, workload: str, framework: str, base: str | No
     stalls, _, reports, rounds = scenario.async_loop(lib, (model, opt, module), step, rank, cfg["root"], cfg)
     lib.close()
     held = [max(r["seconds"].get("held", 0.0) for r in rep["per_rank"]) if rep else None for rep in reports]
-    return {"stalls": stalls, "after": scenario.after_save_excess(rounds), "held": held, "load_s": load_s}
-
-
-def _lost(launch: list[dict]) -> list[float]:
-    """Per save but the last: the slowest rank's stall + excess of the step after it."""
-    return [max(r["stalls"][i] + r["after"][i] for r in launch) for i in range(len(launch[0]["after"]))]
+    return {"async_stalls": stalls, "async_after": scenario.after_save_excess(rounds), "held": held,
+            "load_s": load_s}
 
 
 def summarize(kind_launches: list[list[dict]]) -> dict:
     """A kind's launches -> first and steady figures (medians; pure)."""
-    lost = [_lost(launch) for launch in kind_launches]
-    stall = [[max(r["stalls"][i] for r in launch) for i in range(len(launch[0]["stalls"]))] for launch in kind_launches]
+    lost = [scenario.lost_per_save(launch) for launch in kind_launches]
+    stall = [[max(v) for v in zip(*[r["async_stalls"] for r in launch])] for launch in kind_launches]
     held = [launch[0]["held"][:-1] for launch in kind_launches]   # the saves `lost` covers
     med = statistics.median
     return {"lost_first": med([x[0] for x in lost]), "lost_steady": med([v for x in lost for v in x[1:]]),

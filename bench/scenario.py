@@ -237,6 +237,14 @@ def after_save_excess(rounds: list[list[float]]) -> list[float]:
     return [r[0] - base for r in rounds[1:]]
 
 
+def lost_per_save(launch: list[dict]) -> list[float]:
+    """Per save but the last (pure), over the ranks of one launch (each with "async_stalls" and
+    "async_after"): the slowest rank's stall plus the excess of the step after the save, what
+    training lost to it."""
+    return [max(vals) for vals in zip(*[[s + x for s, x in zip(r["async_stalls"], r["async_after"])]
+                                        for r in launch])]
+
+
 def main_layout(rank: int, world: int, make_lib, cfg: dict) -> dict:
     """2 ranks in the workload's layout: async saves while training, async totals, sync saves,
     load at the same layout. Leaves the last sync save at <root>/ckpt-2r for the 2->1 load."""

@@ -500,12 +500,12 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
     layout of the last async save is reused (`reuse`) when its shards, writes and sizes are the same."""
     staging, layout = None, None
     on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
-    if not async_save:
-        pool.drop_speculative()   # warmed after a load for an async save; a sync save packs into small buffers
     if async_save:
         with timer.phase("snapshot"):
             layout = _stage_layout(collected, writes, tensor_region, stable, pool.largest, reuse)
         staging = pool.acquire(layout.size, pin=on_gpu)
+    else:
+        pool.drop_speculative()   # warmed after a load for an async save; a sync save packs into small buffers
     room = pool.largest
 
     def pack(nbytes: int) -> torch.Tensor:   # past the budget: memory of its own, freed with the save

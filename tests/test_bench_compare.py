@@ -65,8 +65,8 @@ def test_what_a_save_costs_training_adds_the_next_steps_excess_to_its_stall():
     fig, extra = res["figures"], res["extra"]
     assert extra["lost_per_save"] == [[pytest.approx(2.010), pytest.approx(0.053)], [pytest.approx(0.909)],
                                       [pytest.approx(1.120)]]
-    assert fig["held_first"] == pytest.approx(1.120)
-    assert fig["held_steady"] == pytest.approx(0.053)
+    assert fig["lost_first"] == pytest.approx(1.120)
+    assert fig["lost_steady"] == pytest.approx(0.053)
     assert fig["stall_first"] == pytest.approx(0.012)   # the stall alone is unchanged
 
 
