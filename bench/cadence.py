@@ -8,8 +8,9 @@ overhead the loop really pays, on a noisy machine.
 
 1. warm-up: save() at every step with every="auto" (max_overhead 0.05) until the cadence has
    profiled its baseline, the ranks agreed on an interval and `--warmup-saves` saves were made (at
-   most `--warmup-max` steps); with `--warmup-saves 17` the cadence's window of 16 saves no longer
-   holds the first save (3-5x a steady one: staging faulted in, plans made), as in a long job;
+   most `--warmup-max` steps). The cadence keeps a process's first save (3-10x a steady one: staging
+   faulted in, plans made) out of its cost itself; `--warmup-saves 17` fills its window of 16 saves
+   with later ones, as in a long job;
 2. `--pairs` pairs of rounds, alternating: a round of n steps with no save() call (the baseline,
    measured now, beside the round it is compared with: the machine's speed drifts between rounds
    more than the target), then a round of n steps calling save(step, state, async_save=True) at every

@@ -42,29 +42,51 @@ def _feed(c, steps, t, seconds):
     return t
 
 
+def _one_save(c, step, t, stall, extra=0.0):
+    """A save at `step` whose call's step holds `stall` (+ `extra`), 3 more steps in flight at 0.6 s,
+    durable, then 1 settling step (the save's tail) at 0.7 s: all affected. Returns (step, t) after."""
+    c.started(step, stall_s=stall)
+    t = _feed(c, [step + 1], t, 0.6 + stall + extra)
+    t = _feed(c, [step + 2, step + 3, step + 4], t, 0.6)
+    c.durable(background_s=2.5)
+    assert c.profiling() or c.interval() is not None
+    t = _feed(c, [step + 5], t, 0.7)                       # settling: affected, not quiet
+    return step + 5, t
+
+
 def test_auto_cadence_measures_the_cost_of_every_step_a_save_affected_against_quiet_steps():
     c = Cadence("auto", max_overhead=0.02)
     assert c.due(0, in_flight=False)                      # the first call saves: a resume point
     c.observe_call(0, 0.0)
-    c.started(0, stall_s=0.1)
-    # its call's step holds the 0.1 s stall; 3 more steps in flight at 0.6 s; durable; 1 settling step
-    # (the save's tail) at 0.7 s: all affected. Then quiet steps of 0.5 s.
-    t = _feed(c, [1], 0.0, 0.6 + 0.1)
-    t = _feed(c, [2, 3, 4], t, 0.6)
-    c.durable(background_s=t)
-    assert c.profiling() and c.interval() is None and not c.due(5, in_flight=False)
-    t = _feed(c, [5], t, 0.7)                              # settling: affected, not quiet
-    assert c.step_s is None and c.profiling()
-    t = _feed(c, range(6, 6 + PROFILE_STEPS), t, 0.5)
-    assert not c.profiling() and c.step_s == pytest.approx(0.5)
-    # cost: 5 affected steps (0.7 + 3 x 0.6 + 0.7 = 3.2 s) less 5 baseline steps (2.5 s) = 0.7 s
+    # the first save pays 2 s more in its step (staging faulted in: once per process)
+    step, t = _one_save(c, 0, 0.0, 0.1, extra=2.0)
+    assert c.step_s is None and c.profiling() and c.interval() is None and not c.due(step + 1, in_flight=False)
+    t = _feed(c, range(step + 1, step + PROFILE_STEPS), t, 0.5)
+    assert not c.due(step + PROFILE_STEPS - 1, in_flight=False)   # one quiet step short of the window
+    t = _feed(c, [step + PROFILE_STEPS], t, 0.5)
+    step += PROFILE_STEPS
+    assert c.step_s == pytest.approx(0.5)
+    # profiled: a second save is due now, and the report shows the first one's figures meanwhile
+    rep = c.report()
+    assert c.profiling() and c.interval() is None and rep.interval is None and rep.profiling
+    assert rep.cost_s == pytest.approx(2.7) and rep.first_cost_s == pytest.approx(2.7)
+    assert c.due(step, in_flight=False)
+    step, t = _one_save(c, step, t, 0.1)
+    assert not c.due(step, in_flight=False)   # still profiling: one quiet step after it, at least
+    t = _feed(c, [step + 1], t, 0.5)
+    step += 1
+    # cost: 5 affected steps (0.7 + 3 x 0.6 + 0.7 = 3.2 s) less 5 baseline steps (2.5 s) = 0.7 s; the
+    # first save's 2.7 s is kept apart
+    assert not c.profiling()
     rep = c.report()
     assert rep.cost_s == pytest.approx(0.7) and rep.stall_s == pytest.approx(0.1)
+    assert rep.first_cost_s == pytest.approx(2.7)
     assert rep.interference_s == pytest.approx(0.6) and rep.steps_affected == 5 and rep.steps_in_flight == 4
-    # 0.7 / (0.02 * 0.5) = 70 steps
+    # 0.7 / (0.02 * 0.5) = 70 steps (with the first save in the mean, 1.7 s: 170 steps)
     assert c.interval() == 70 and rep.interval == 70
     assert rep.overhead == pytest.approx(0.7 / (70 * 0.5)) and rep.overhead <= 0.02 + 1e-12
-    assert not c.due(69, in_flight=False) and c.due(70, in_flight=False)
+    last = step - 6
+    assert not c.due(last + 69, in_flight=False) and c.due(last + 70, in_flight=False)
 
 
 def test_the_interval_leaves_quiet_steps_after_each_flight_and_settling_step():
@@ -72,10 +94,13 @@ def test_the_interval_leaves_quiet_steps_after_each_flight_and_settling_step():
     baseline is refreshed by a quiet step after every save, never measured on the save's tail."""
     c = Cadence("auto", max_overhead=0.5)
     c.observe_call(0, 0.0)
-    c.started(0, stall_s=0.0)
-    t = _feed(c, [1, 2, 3], 0.0, 0.5)
-    c.durable(background_s=t)
-    t = _feed(c, range(4, 4 + SETTLE + PROFILE_STEPS), t, 0.5)
+    t, step = 0.0, 0
+    for _ in range(2):      # the first save, then the profiling window's second one
+        c.started(step, stall_s=0.0)
+        t = _feed(c, [step + 1, step + 2, step + 3], t, 0.5)
+        c.durable(background_s=1.5)
+        t = _feed(c, range(step + 4, step + 4 + SETTLE + PROFILE_STEPS), t, 0.5)
+        step += 3 + SETTLE + PROFILE_STEPS
     assert c.report().cost_s == pytest.approx(0.0)
     assert c.interval() == 3 + SETTLE + 1
 
@@ -106,18 +131,18 @@ def test_the_cost_is_the_mean_of_skewed_saves_as_a_stopwatch_sums_them():
     c = Cadence("auto", max_overhead=0.05)
     t, step = 0.0, 0
     c.observe_call(step, t)
-    for i in range(8):
+    for i in range(-1, 8):   # -1: the process's first save, 2 s (kept apart, not one of the eight)
         for _ in range(_LOCAL):
             step += 1
             t = _feed(c, [step], t, 1.0)
         c.started(step, stall_s=0.0)
         step += 1
-        t = _feed(c, [step], t, 1.0 + (0.9 if i % 4 == 3 else 0.1))
+        t = _feed(c, [step], t, 1.0 + (2.0 if i < 0 else 0.9 if i % 4 == 3 else 0.1))
         c.durable(background_s=1.0)
         for _ in range(SETTLE):
             step += 1
             t = _feed(c, [step], t, 1.0)
-    assert c.report().cost_s == pytest.approx(0.3)
+    assert c.report().cost_s == pytest.approx(0.3) and c.report().first_cost_s == pytest.approx(2.0)
     assert c.interval() == math.ceil(0.3 / (0.05 * 1.0))
 
 
@@ -138,7 +163,8 @@ def test_skewed_step_times_do_not_charge_their_slow_steps_to_the_saves(cost):
             step += 1
             t += pattern[step % len(pattern)] + extra
             c.observe_call(step, t)
-    for _ in range(16):   # saves 11 steps apart: their affected steps meet the slow step 3 times in 8
+    for _ in range(17):   # saves 11 steps apart: their affected steps meet the slow step 3 times in 8
+        # (the first is kept apart: the 16 after it cover each position of the pattern twice)
         run(8)
         c.started(step, stall_s=0.0)
         run(2, cost / 2)
@@ -171,15 +197,19 @@ def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
     step += 1
     t = _feed(c, [step], t, 1.0)
     want = round(0.1 * (1 + SETTLE), 6)
-    assert [round(f.seconds - f.base * f.steps, 6) for f in c._saves] == [want, want]
-    assert c.report().cost_s == pytest.approx(want)
+    assert [round(f.seconds - f.base * f.steps, 6) for f in [c._first, *c._saves]] == [want, want]
+    assert c.report().cost_s == pytest.approx(want) and c.report().first_cost_s == pytest.approx(want)
     c2 = Cadence("auto", max_overhead=0.05)
     c2.observe_call(0, 0.0)
-    t = _feed(c2, range(1, 1 + _LOCAL), 0.0, 1.0)
-    c2.started(_LOCAL, stall_s=0.2)
-    t = _feed(c2, [_LOCAL + 1], t, 0.8)     # noise: faster than the baseline
-    c2.durable(background_s=0.8)
-    t = _feed(c2, [_LOCAL + 2], t, 0.8)
+    t, step = 0.0, 0
+    for speed in (1.0, 0.8):   # the first save, then one measured faster than its baseline (noise)
+        t = _feed(c2, range(step + 1, step + 1 + _LOCAL), t, 1.0)
+        step += _LOCAL
+        c2.started(step, stall_s=0.2)
+        t = _feed(c2, [step + 1], t, speed)
+        c2.durable(background_s=0.8)
+        t = _feed(c2, [step + 2], t, speed)
+        step += 2
     assert c2.report().cost_s < 0 and c2.interval() == math.ceil(0.2 / (0.05 * 1.0))
 
 
@@ -212,7 +242,7 @@ def test_a_save_seen_only_across_skipped_calls_does_not_drag_the_cost():
     c.durable(background_s=t)
     t = _feed(c, [step + 1], t, 1.0)
     t = _feed(c, [step + 2], t, 1.0)
-    assert len(c._saves) == 5
+    assert c._first is not None and len(c._saves) == 4
     assert c.report().cost_s == pytest.approx(fine)
     assert c.interval() == math.ceil(0.3 / (0.05 * 1.0))
     only = Cadence("auto", max_overhead=0.05)       # save() every other step: every save is coarse
@@ -335,7 +365,9 @@ def test_a_save_durable_within_one_step_still_counts_that_step_as_slowed(tmp_pat
 
 def test_auto_profiles_quiet_steps_after_its_first_save_before_choosing_an_interval(tmp_path):
     """The first call saves (a resume point); the next save waits for the baseline: the first save's
-    step, its settling step, then PROFILE_STEPS quiet steps. The report says so while it lasts."""
+    step, its settling step, then PROFILE_STEPS quiet steps. That second save is the first one the
+    interval is chosen from (the first's one-time costs are kept apart). The report says so while it
+    lasts."""
     import omnickpt
     with omnickpt.CheckpointManager(str(tmp_path), every="auto", max_overhead=0.5) as mgr:
         assert mgr.save(0, {"x": __import__("torch").zeros(4)}) is not None
@@ -345,6 +377,7 @@ def test_auto_profiles_quiet_steps_after_its_first_save_before_choosing_an_inter
         rep = mgr.cadence_report()
     assert len(saved) >= 2 and saved[1] >= 1 + SETTLE + PROFILE_STEPS, saved
     assert not rep["profiling"] and rep["quiet_steps"] >= PROFILE_STEPS and rep["interval"] >= 1 + SETTLE + 1, rep
+    assert rep["first_cost_s"] is not None and rep["cost_s"] is not None
 
 
 def _train_from(mgr, first, steps, step_s):
