@@ -17,7 +17,7 @@ from omnickpt.comm import Comm
 from omnickpt.engine import read_objects
 from omnickpt.engine import load as engine_load
 from omnickpt.engine.load import check_file_sizes, forward_replicas, land_tensors
-from omnickpt.engine.staging import gc_paused
+from omnickpt.engine.staging import WARM_SLACK, gc_paused
 from omnickpt.errors import MismatchError
 from omnickpt.fence import optimizers_in
 from omnickpt.format import MANIFEST_NAME, Manifest
@@ -33,9 +33,6 @@ from omnickpt.storage.linked import with_siblings
 
 if TYPE_CHECKING:
     from omnickpt.api import Checkpointer
-
-# What a staging buffer warmed after a load (_warm_staging) holds beyond the rank's loaded file.
-WARM_SLACK = 1 << 20
 
 
 @dataclasses.dataclass

@@ -88,17 +88,21 @@ class SaveLoop:
     captures at a call that did not save (the FailureGuard), and which steps this run has saved or
     has in flight (`saved`: a step is never saved twice).
 
-    The manager does the saving itself, through three callables (held weakly: the loop never keeps
-    its manager alive): `start(step, state, async_save, kwargs)` checks the call and starts the save
+    The manager does the saving itself, through callables (held weakly: the loop never keeps its
+    manager alive): `start(step, state, async_save, kwargs)` checks the call and starts the save
     (returns its handle), `finish()` waits for the save in flight (returns its report, raises its
-    failure), `in_flight()` says whether one is still on its way to being durable."""
+    failure), `in_flight()` says whether one is still on its way to being durable; with a cadence,
+    `cold()` gives the bytes of staging the next save would fault in and `warm()` has them warmed
+    (Checkpointer.warm_staging), which the loop asks for a few calls ahead of each due save."""
 
     def __init__(self, root: StepRoot, on_error: str, cadence: CadencePolicy | None, guard: FailureGuard, *,
-                 start: Callable, finish: Callable[[], dict | None], in_flight: Callable[[], bool]):
+                 start: Callable, finish: Callable[[], dict | None], in_flight: Callable[[], bool],
+                 cold: Callable[[], int] | None = None, warm: Callable[[], object] | None = None):
         check_on_error(on_error)
         self.root, self.on_error, self.cadence, self.guard = root, on_error, cadence, guard
         self._start, self._finish, self._in_flight = (weakref.WeakMethod(start), weakref.WeakMethod(finish),
                                                       weakref.WeakMethod(in_flight))
+        self._staging = None if cold is None or warm is None else (weakref.WeakMethod(cold), weakref.WeakMethod(warm))
         self.saved: set[int] = set()     # steps of this run in flight or committed: never saved twice
         self.failures: list[dict] = []
         self.failure_count = 0
@@ -113,6 +117,7 @@ class SaveLoop:
             if self.cadence is not None:
                 due = self.cadence.due(step, self.in_flight())
                 if not due and not force:
+                    self._warm_ahead(step)
                     self.guard.capture_unsaved(step, state, kwargs)
                     return None
                 self.cadence.before_save(self.wait)
@@ -130,6 +135,17 @@ class SaveLoop:
         if self.cadence is not None:
             self.cadence.started(step, t0, async_save)
         return handle
+
+    def _warm_ahead(self, step: int) -> None:
+        """A call that does not save: when the next due save is near, its staging is faulted in now,
+        in the background, if the last save did not leave it warm (release_staging=True): the save's
+        copy then runs at memcpy speed instead of faulting memory in while the optimizer step after
+        it waits. Rank-local (no collective): a rank that warms later only pays the faults itself."""
+        if self._staging is None:
+            return
+        cold, warm = self._staging
+        if self.cadence.warm_due(step, cold()()):
+            warm()()
 
     def check_new(self, step: int) -> None:
         """Misuse, always raised: a step number this run saved before."""
@@ -228,7 +244,7 @@ class CheckpointManager:
                                    save=self._save_at_failure, latest=self.latest_step)
         cadence = cadence_of(opts.every, opts.max_overhead, opts.max_interval, self._comm)
         self._loop = SaveLoop(self._root, opts.on_error, cadence, self._guard, start=self._save, finish=self._wait,
-                              in_flight=self._in_flight)
+                              in_flight=self._in_flight, cold=self._cold_staging, warm=self._warm_staging)
         # Incremental: each save writes only the blocks changed since the previous committed step
         # and references that step's data; a full save every `full_every` saves bounds how far back
         # retention must keep data (omnickpt/steps.py keeps what a kept step references).
@@ -332,6 +348,13 @@ class CheckpointManager:
     def _in_flight(self) -> bool:
         """Whether a save of ours is still on its way to being durable (this rank's view)."""
         return self._pending is not None and not self._pending[1].done()
+
+    def _cold_staging(self) -> int:
+        """Bytes of staging the next async save would fault in (0: warm, or none expected yet)."""
+        return self._ckpt._pool.cold()
+
+    def _warm_staging(self) -> None:
+        self._ckpt.warm_staging()
 
     def cadence_report(self) -> dict | None:
         """With every=: the mode, the interval in force, and what it was chosen from (seconds per

@@ -504,6 +504,8 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         with timer.phase("snapshot"):
             layout = _stage_layout(collected, writes, tensor_region, stable, pool.largest, reuse)
         staging = pool.acquire(layout.size, pin=on_gpu)
+        # pinned staging is not warmed ahead (Checkpointer.warm_staging): only host staging is expected
+        pool.expected = None if on_gpu else layout.size
     else:
         pool.drop_speculative()   # warmed after a load for an async save; a sync save packs into small buffers
     room = pool.largest

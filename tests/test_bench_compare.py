@@ -3,24 +3,12 @@ one launch gives one sample of it. Its summary is a pure function, checked here 
 answer is known (the benchmark itself runs for minutes)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmods import bench_module
 
 
 def _compare():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_module("compare")
 
 
 def _launch(stalls_per_rank: list[list[float]], after_per_rank: list[list[float]] | None = None) -> list[dict]:
@@ -71,11 +59,7 @@ def test_what_a_save_costs_training_adds_the_next_steps_excess_to_its_stall():
 
 
 def test_the_step_after_a_save_is_measured_against_the_loops_other_steps():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import scenario
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    scenario = bench_module("scenario")
     # rounds: the steps before save 0, 1, 2; the first step of rounds 1 and 2 follows saves 0 and 1;
     # the baseline is the other steps' median (0.29, 0.31, 0.30), not the loop's cold first step
     rounds = [[0.90, 0.31], [2.50, 0.29], [0.40, 0.30]]

@@ -4,20 +4,14 @@ benchmark itself runs 2 ranks for minutes; its summary is a pure function, check
 whose answer is known."""
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmods import bench_module
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_save_cost", ROOT / "bench" / "save_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("save_cost")
 
 
 def _cycles(costs: list[float], interval: int, step: float = 0.5):

@@ -394,3 +394,32 @@ def _train_from(mgr, first, steps, step_s):
                 break
     mgr.wait()
     return out
+
+
+def test_steps_until_due_agrees_with_due():
+    """Counted ahead, the next due call is the one due() picks, for a fixed interval (multiples of
+    it, and an interval after a save off the grid) and for "auto"; unknown where it cannot be."""
+    f = Cadence(5)
+    assert f.steps_until_due(3) is None              # before the first save
+    f.started(3, 0.0)                                 # a first call at step 3 (a restart)
+    for step in range(4, 12):
+        ahead = f.steps_until_due(step)
+        assert ahead == next(s for s in range(step, step + 10) if f.due(s, False)) - step
+    assert f.steps_until_due(4) == 1 and f.steps_until_due(5) == 0
+    a = Cadence("auto", max_overhead=0.05)
+    a.observe_call(0, 0.0)
+    a.started(0, 0.0)
+    assert a.steps_until_due(1) is None               # profiling: the second save comes when measured
+    a.adopt(7, None)                                  # an interval agreed on
+    assert a.steps_until_due(3) == 4 and a.steps_until_due(9) == 0
+    a.failed(9)
+    assert a.steps_until_due(10) is None              # backing off
+    assert Cadence("continuous").steps_until_due(5) is None
+
+
+def test_staging_is_warmed_as_many_steps_ahead_as_faulting_it_in_takes():
+    from omnickpt.cadence import WARM_BYTES_PER_S, warm_lead
+    assert warm_lead(400 << 20, None) == 2            # no step time yet
+    assert warm_lead(1 << 20, 1.0) == 2               # well within a step: the call before, and one more
+    n = int(4 * WARM_BYTES_PER_S)                     # 4 s of faulting
+    assert warm_lead(n, 1.0) == 5 and warm_lead(n, 0.5) == 9

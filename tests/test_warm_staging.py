@@ -205,3 +205,72 @@ def test_a_warmed_buffer_no_save_used_goes_at_a_sync_save(tmp_path, monkeypatch)
         assert ckpt._pool.idle_largest() > 2 * MB
         ckpt.save(tmp_path / "sync", state).wait()
         assert ckpt._pool.idle_largest() < 2 * MB
+
+
+# ------------------------------------------------------------------ ahead of a save (release_staging=True)
+def _allocations(monkeypatch) -> list[int]:
+    """The sizes of the staging buffers allocated from now on (each one is faulted in at first use)."""
+    allocated: list[int] = []
+    real = staging._page_aligned
+    monkeypatch.setattr(staging, "_page_aligned", lambda n, pin: (allocated.append(n), real(n, pin))[1])
+    return allocated
+
+
+def test_with_staging_released_warm_staging_readies_the_next_saves_memory(tmp_path, monkeypatch):
+    """release_staging=True frees each save's staging; warm_staging() faults in, in the background, a
+    buffer of the last async save's size, and the next save copies into it instead of fresh memory."""
+    state = _state()
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        assert not ckpt.warm_staging()                 # no async save yet: no size to warm
+        ckpt.save(tmp_path / "a", state, async_save=True).wait()
+        pool = ckpt._pool
+        expected = pool.expected
+        assert expected and expected >= 2 * MB and pool.held == 0 and pool.cold() == expected
+        allocated = _allocations(monkeypatch)
+        assert ckpt.warm_staging()
+        ckpt._persist.submit(int).result(10)           # the warm has run
+        assert pool.idle_largest() >= expected and pool.cold() == 0 and allocated
+        assert not ckpt.warm_staging()                 # warm already
+        before = list(allocated)
+        ckpt.save(tmp_path / "b", state, async_save=True).wait()
+        assert allocated == before, "the save after warm_staging() faulted fresh staging in"
+        assert pool.held == 0                          # and released after it, as asked
+    assert omnickpt.is_committed(str(tmp_path / "b"))
+
+
+def test_with_staging_kept_warm_staging_has_nothing_to_do(tmp_path):
+    state = _state()
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.save(tmp_path / "a", state, async_save=True).wait()
+        assert ckpt._pool.cold() == 0 and not ckpt.warm_staging()
+        ckpt._persist.submit(int).result(10)
+        assert ckpt._pool.held == ckpt._pool.idle_largest() + staging._PAGE   # still the one buffer
+    assert not ckpt.warm_staging()                     # closed: nothing, and no error
+
+
+def test_a_manager_warms_released_staging_a_few_calls_before_each_due_save(tmp_path, monkeypatch):
+    """CheckpointManager(every=4) with release_staging=True: the staging of each due save is warmed
+    warm_lead calls before it (2 for 3 MB and 50 ms steps), once, and that save allocates nothing."""
+    from omnickpt.cadence import warm_lead
+    state = _state()
+    warmed: list[int] = []
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        real_warm = ckpt.warm_staging
+        monkeypatch.setattr(ckpt, "warm_staging", lambda: (warmed.append(step), real_warm())[1])
+        with omnickpt.CheckpointManager(str(tmp_path), checkpointer=ckpt, every=4) as mgr:
+            allocated = _allocations(monkeypatch)
+            for step in range(10):
+                time.sleep(0.05)                       # the training step
+                saved = mgr.save(step, state, async_save=True)
+                assert (saved is not None) == (step % 4 == 0)
+                mgr.wait()
+                ckpt._persist.submit(int).result(10)   # a warm asked for at this call has run
+                if step == 4:
+                    assert ckpt._pool.held == 0        # released after the save
+                    count = len(allocated)
+                if step in (5, 6, 7):
+                    assert (ckpt._pool.idle_largest() > 0) == (step >= 6), step
+                if step == 8:
+                    assert len(allocated) == count + 1, "the warm allocated once and the save used it"
+        assert warm_lead(ckpt._pool.expected, 0.05) == 2
+    assert warmed == [2, 6]

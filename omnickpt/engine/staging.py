@@ -96,6 +96,9 @@ def _page_aligned(nbytes: int, pin: bool) -> torch.Tensor:
 
 # warm() faults a buffer in by pieces of this size, checking between them whether a save wants it.
 WARM_CHUNK = 4 << 20
+# What a buffer warmed ahead of a save holds beyond the size expected: the next save's objects (a step
+# count, a data loader's position) may take a page more.
+WARM_SLACK = 1 << 20
 
 
 class StagingPool:
@@ -118,6 +121,9 @@ class StagingPool:
         self._making = 0        # buffers reserved by acquire() and being allocated (not in _out yet)
         self._asking = 0        # acquire() calls under way: a warm() does not start beside them
         self._speculative: int | None = None   # address of the idle buffer warm() made, until used
+        # Bytes of host staging the last async save asked for: what the next one is expected to ask
+        # for (set by the save; Checkpointer.warm_staging warms that much ahead of a save).
+        self.expected: int | None = None
 
     @property
     def largest(self) -> int | None:
@@ -132,7 +138,13 @@ class StagingPool:
     def idle_largest(self) -> int:
         """Bytes of the largest idle buffer (its pages faulted in by an earlier use), 0 if none."""
         with self._cond:
-            return max((b.numel() for b in self._free if b is not None), default=0)
+            return max((b.numel() for b in self._free if b is not None and not b.is_pinned()), default=0)
+
+    def cold(self) -> int:
+        """Bytes the next async save is expected to stage (`expected`) when no idle host buffer
+        holds that many warm, else 0 (nothing to warm: kept from the last save, or warmed already)."""
+        n = self.expected
+        return n if n and self.idle_largest() < n else 0
 
     def acquire(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 host buffer of at least `nbytes`, waiting while every slot is in use (or, with a
