@@ -4,8 +4,11 @@ itself a few steps before each save it makes), beside staging kept between saves
 
     .venv/bin/python bench/warm_ahead.py                                   # mlp/ddp and mlp/fsdp2
     .venv/bin/python bench/warm_ahead.py --workloads gpt/fsdp2 --pairs 4   # one quick look
+    .venv/bin/python bench/warm_ahead.py --workloads mlp/plain --ranks 1    # a core left to background work
 
-2 real gloo ranks (one compute thread each) train a workload of bench/workloads.py. In one launch, after a
+2 real gloo ranks (one compute thread each) train a workload of bench/workloads.py (`--ranks 1`: one
+process, a plain module, which leaves this 2-core machine a core that training does not use, as a GPU
+host's CPUs mostly are). In one launch, after a
 first save (the process's: plans made, threads started), `--pairs` rounds; each round runs the three
 variants one after the other, and each variant is a triple of cycles of `--cycle` steps:
 
@@ -120,22 +123,23 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="mlp/ddp,mlp/fsdp2", help="workload/framework of bench/workloads.py")
     ap.add_argument("--cycle", type=int, default=3, help="steps per cycle")
     ap.add_argument("--pairs", type=int, default=6, help="rounds of the three variants")
+    ap.add_argument("--ranks", type=int, default=2, help="training processes (1: use the plain framework)")
     args = ap.parse_args(argv)
     if args.cycle < 2 or args.pairs < 1:
         ap.error("--cycle must be at least 2 and --pairs at least 1")
-    doc = {"cycle": args.cycle, "pairs": args.pairs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    doc = {"cycle": args.cycle, "pairs": args.pairs, "ranks": args.ranks, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "load_avg": os.getloadavg(), "results": {}}
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     for name in args.workloads.split(","):
         root = tempfile.mkdtemp(prefix="omnickpt-warm-ahead-", dir=os.path.join(HERE, "out"))
         try:
-            res = run_ranks(2, _worker, root, name, args.cycle, args.pairs, timeout=3600)
+            res = run_ranks(args.ranks, _worker, root, name, args.cycle, args.pairs, timeout=3600)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         fig = summarize(res[0])
         doc["results"][name] = {"summary": fig, "rounds": res[0]}
-        print(f"{name}: cycles of {args.cycle} steps, {args.pairs} rounds; medians (rank 0's cycles, both "
-              "ranks' reports)")
+        print(f"{name}, {args.ranks} rank(s): cycles of {args.cycle} steps, {args.pairs} rounds; medians (rank "
+              "0's cycles, the slowest rank's report)")
         print(f"  {'variant':<9} {'cost/save':>9} {'held':>7} {'copy':>7} {'stall':>7} {'clean cycle':>11} "
               f"{'lead':>4}  costs")
         g = lambda v: "-" if v is None else f"{v:.3f}"   # noqa: E731

@@ -253,11 +253,13 @@ class Checkpointer:
         """Fault in, in the background, the host staging memory the next async save will copy into
         (as much as the last async save's), unless a buffer that size is idle already. With
         release_staging=True each save frees its staging, and the next save's lazy copy faults
-        fresh memory in while the optimizer step after it waits: ~2 s for the 806 MB MLP on this
-        machine against ~0.1 s into warm memory (BENCHMARKS.md). Called a few steps before a save,
-        that copy runs at memcpy speed; CheckpointManager(every=...) does it itself ahead of each
-        save it makes. The warm runs on the persist thread (niced, behind a save still persisting)
-        and gives way to a save that wants the buffer first. Returns whether one was started: not
+        fresh memory in while the optimizer step after it waits: 1.9 s for the 806 MB MLP in one
+        process on this machine against 0.1 s into warm memory (bench/warm_ahead.py). Called a few
+        steps before a save, that copy runs at memcpy speed; CheckpointManager(every=...) does it
+        itself ahead of each save it makes. The warm runs on the persist thread (niced, behind a
+        save still persisting) and gives way to a save that wants the buffer first. Faulting
+        memory in is CPU work: where training leaves no core idle (CPU training on every core) it
+        slows the steps before the save about as much as it would have held the step after it. Returns whether one was started: not
         before an async save has been made, for a state on a GPU (pinned staging is not warmed), or
         when the memory is warm already (release_staging=False keeps it between saves)."""
         self._own_process()
