@@ -14,8 +14,9 @@ variants one after the other, and each variant is a triple of cycles of `--cycle
 
 1. a clean cycle (no save, nothing warming): the baseline of this minute;
 2. a lead-in cycle: with "warmed", Checkpointer.warm_staging() is called warm_lead steps before its end
-   (omnickpt/cadence.py: the steps faulting the last save's staging in takes at 0.4 GB/s, plus one),
-   the call the manager makes; the other variants do nothing in it;
+   (omnickpt/cadence.py: the steps faulting the last save's staging in takes at the rate the last warm
+   measured, 0.4 GB/s before one has, plus one), the call the manager makes, at the cycle's start
+   when the lead is longer than the cycle; the other variants do nothing in it;
 3. a save cycle: save(async_save=True) at the end of its first step, and its end waits for the save.
 
 A variant's cost per save = lead-in + save cycle - 2 x its clean cycle: what the save and the warm
@@ -83,7 +84,8 @@ def _worker(rank: int, world: int, root: str, name: str, cycle: int, pairs: int)
         for variant in VARIANTS:
             clean, _ = run(cycle)
             step_s = clean / cycle
-            lead = warm_lead(ckpts["released"]._pool.expected or 0, step_s)
+            pool = ckpts["released"]._pool
+            lead = warm_lead(pool.expected or 0, step_s, pool.warm_rate)
             warm_at = max(cycle - lead, 0) if variant == "warmed" else None
             lead_in, _ = run(cycle, warm_at=warm_at)
             busy, report = run(cycle, save_variant=variant)
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     from ranks import run_ranks
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="mlp/ddp,mlp/fsdp2", help="workload/framework of bench/workloads.py")
-    ap.add_argument("--cycle", type=int, default=3, help="steps per cycle")
+    ap.add_argument("--cycle", type=int, default=8, help="steps per cycle (a lead longer than it is cut to it)")
     ap.add_argument("--pairs", type=int, default=6, help="rounds of the three variants")
     ap.add_argument("--ranks", type=int, default=2, help="training processes (1: use the plain framework)")
     args = ap.parse_args(argv)

@@ -259,9 +259,11 @@ class Checkpointer:
         itself ahead of each save it makes. The warm runs on the persist thread (niced, behind a
         save still persisting) and gives way to a save that wants the buffer first. Faulting
         memory in is CPU work: where training leaves no core idle (CPU training on every core) it
-        slows the steps before the save about as much as it would have held the step after it. Returns whether one was started: not
-        before an async save has been made, for a state on a GPU (pinned staging is not warmed), or
-        when the memory is warm already (release_staging=False keeps it between saves)."""
+        slows the steps before the save about as much as it would have held the step after it.
+        Returns whether a warm was queued: not before an async save has been made, for a state on
+        a GPU (pinned staging is not warmed), or when an idle buffer that size is there
+        (release_staging=False keeps it between saves); a queued warm does nothing if a buffer is
+        in use when it runs. drop_warmed_staging() frees a warmed buffer no save used."""
         self._own_process()
         nbytes = self._pool.cold()
         if not nbytes:
@@ -271,6 +273,15 @@ class Checkpointer:
         except RuntimeError:   # closed: its threads are gone, and no save will come
             return False
         return True
+
+    def drop_warmed_staging(self) -> None:
+        """Free a staging buffer warm_staging() (or a load) warmed that no save has used, once a
+        warm under way is done (queued behind it on the persist thread): a manager that closes
+        before the save it warmed for."""
+        try:
+            self._persist.submit(self._pool.drop_speculative)
+        except RuntimeError:   # closed: close() freed the pool
+            pass
 
     def _snapshot_thread(self) -> ThreadPoolExecutor:
         """Where lazy copies run as soon as save() returns, not behind an earlier save's persist on

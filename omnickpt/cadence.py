@@ -76,18 +76,19 @@ PROFILE_STEPS = 4  # quiet steps measured before "auto" chooses its first interv
 _LOCAL = 8         # the quiet steps just before a save that are its baseline
 
 
-# How fast a background thread faults fresh host memory in beside training (bytes per second), for
-# how far ahead of a save its staging is warmed (`warm_lead`): 400 MB per rank on two ranks at once
-# took 0.7 s on this 2-core machine with nothing else running, longer beside training steps.
+# How fast a background thread faults fresh host memory in beside training (bytes per second), until
+# a warm has measured it on this machine (StagingPool.warm_rate): 400 MB per rank on two ranks at once
+# took 0.7 s here with nothing else running (a VM whose host backs reported free memory anew).
 WARM_BYTES_PER_S = 0.4e9
 
 
-def warm_lead(nbytes: int, step_s: float | None) -> int:
+def warm_lead(nbytes: int, step_s: float | None, rate: float | None = None) -> int:
     """How many calls ahead of a due save to start warming `nbytes` of staging (pure): the steps
-    the warm takes at WARM_BYTES_PER_S, and one more; 2 with no step time measured yet."""
+    the warm takes at `rate` bytes per second (WARM_BYTES_PER_S when not measured), and one more;
+    2 with no step time measured yet."""
     if not step_s or step_s <= 0:
         return 2
-    return math.ceil(nbytes / WARM_BYTES_PER_S / step_s - 1e-9) + 1
+    return math.ceil(nbytes / (rate or WARM_BYTES_PER_S) / step_s - 1e-9) + 1
 
 
 def backoff(failures: int) -> int:
@@ -171,6 +172,9 @@ class Cadence:
         self._open: _Flight | None = None                      # the save whose affected steps run now
         self._saves: deque[_Flight] = deque(maxlen=_WINDOW)    # closed: every affected step measured
         self._first: _Flight | None = None    # the first save measured to its end, kept apart
+        # Steps run while the next save's staging warms (warming()): that save's, not quiet ones.
+        self._pre: _Flight | None = None
+        self._warm_pending = False   # warming() was told: the steps after the open save closes go to _pre
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
@@ -191,6 +195,14 @@ class Cadence:
 
     def _count(self, seconds: float, steps: int) -> None:
         f = self._open
+        if f is None and self._warm_pending:
+            if self._pre is None:
+                recent = list(self._quiet)[-_LOCAL:]
+                self._pre = _Flight(stall=0.0, base=statistics.fmean(recent) if recent else None)
+            self._pre.seconds += seconds
+            self._pre.steps += steps
+            self._pre.coarse = self._pre.coarse or steps > 1
+            return
         if f is None:
             self._quiet.append(seconds / steps)
             return
@@ -216,9 +228,20 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
-        recent = list(self._quiet)[-_LOCAL:]
-        self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None)
+        pre, self._pre, self._warm_pending = self._pre, None, False
+        if pre is not None:   # the steps since its staging began to warm are this save's too
+            self._open = dataclasses.replace(pre, stall=max(stall_s, 0.0))
+        else:
+            recent = list(self._quiet)[-_LOCAL:]
+            self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None)
         self._last_saved = step
+
+    def warming(self) -> None:
+        """The next save's staging begins to warm now (in the background): the steps from here to
+        that save (from the end of the last save's settling, if it still settles) count as affected
+        by it, against the quiet steps before (the warm's faults are CPU work, which slows training
+        where no core is idle, and that is part of what the save costs)."""
+        self._warm_pending = True
 
     def durable(self, background_s: float) -> None:
         """The open save is durable, `background_s` after its call: SETTLE more steps count as its."""
@@ -236,6 +259,7 @@ class Cadence:
         in a row. (The steps it affected still cost training their time: measured as a save's.)"""
         if step is not None:
             self._last_saved = step
+            self._pre, self._warm_pending = None, False   # the save warmed for did not start
         self.failures += 1
 
     def succeeded(self) -> None:
@@ -314,7 +338,13 @@ class Cadence:
         if isinstance(self.every, int):
             k = self.every
             return min(-(-step // k) * k, max(step, last + k)) - step
-        interval = self.agreed or (None if self.profiling() else self.interval())
+        if self.agreed is None and self.profiling():
+            # the profiling window's second save comes once PROFILE_STEPS quiet steps follow the first
+            f = self._first
+            if f is None or f.background is None or self._saves or self._open is not None:
+                return None
+            return max(PROFILE_STEPS - len(self._quiet), 0)
+        interval = self.agreed or self.interval()
         return None if interval is None else max(last + interval - step, 0)
 
     def adopt(self, interval: int | None, report: CadenceReport | None) -> None:
@@ -432,17 +462,23 @@ class CadencePolicy:
             cadence.adopt(*(self.comm.broadcast_object(mine, step="cadence") if self.comm.world_size > 1
                             else mine))
 
-    def warm_due(self, step: int, cold_bytes: int) -> bool:
+    def warm_due(self, step: int, cold_bytes: int, rate: float | None = None) -> bool:
         """At a call that does not save: whether to start warming `cold_bytes` of staging now for
-        the next due save (each save's at most once: warm_lead calls ahead of it, from the
-        measured step time)."""
+        the next due save, at most once per save: warm_lead calls ahead of it (from the measured
+        step time and warming `rate`), but never in the first half of the calls between two saves,
+        so that memory released after each save stays released for half the interval at least
+        (with a lead longer than that the warm starts at mid-interval, and the save takes the
+        buffer as far as it is warm). The steps from here to the save count as its own."""
         cadence = self.cadence
-        ahead = cadence.steps_until_due(step)
-        if not cold_bytes or ahead is None or self._warmed_after == cadence.last_saved:
+        if not cold_bytes or self._warmed_after == cadence.last_saved:
             return False
-        if ahead > warm_lead(cold_bytes, cadence.step_s):
+        ahead = cadence.steps_until_due(step)
+        if ahead is None or ahead > warm_lead(cold_bytes, cadence.step_s, rate):
+            return False
+        if step - cadence.last_saved <= ahead:   # the first half of the interval
             return False
         self._warmed_after = cadence.last_saved
+        cadence.warming()
         return True
 
     def failed(self, step: int | None) -> None:

@@ -92,12 +92,14 @@ class SaveLoop:
     manager alive): `start(step, state, async_save, kwargs)` checks the call and starts the save
     (returns its handle), `finish()` waits for the save in flight (returns its report, raises its
     failure), `in_flight()` says whether one is still on its way to being durable; with a cadence,
-    `cold()` gives the bytes of staging the next save would fault in and `warm()` has them warmed
-    (Checkpointer.warm_staging), which the loop asks for a few calls ahead of each due save."""
+    `cold()` gives the bytes of staging the next save would fault in and the rate a warm faults
+    memory in here, and `warm()` has them warmed (Checkpointer.warm_staging), which the loop asks for
+    a few calls ahead of each due save."""
 
     def __init__(self, root: StepRoot, on_error: str, cadence: CadencePolicy | None, guard: FailureGuard, *,
                  start: Callable, finish: Callable[[], dict | None], in_flight: Callable[[], bool],
-                 cold: Callable[[], int] | None = None, warm: Callable[[], object] | None = None):
+                 cold: Callable[[], tuple[int, float | None]] | None = None,
+                 warm: Callable[[], object] | None = None):
         check_on_error(on_error)
         self.root, self.on_error, self.cadence, self.guard = root, on_error, cadence, guard
         self._start, self._finish, self._in_flight = (weakref.WeakMethod(start), weakref.WeakMethod(finish),
@@ -144,7 +146,7 @@ class SaveLoop:
         if self._staging is None:
             return
         cold, warm = self._staging
-        if self.cadence.warm_due(step, cold()()):
+        if self.cadence.warm_due(step, *cold()()):
             warm()()
 
     def check_new(self, step: int) -> None:
@@ -349,9 +351,11 @@ class CheckpointManager:
         """Whether a save of ours is still on its way to being durable (this rank's view)."""
         return self._pending is not None and not self._pending[1].done()
 
-    def _cold_staging(self) -> int:
-        """Bytes of staging the next async save would fault in (0: warm, or none expected yet)."""
-        return self._ckpt._pool.cold()
+    def _cold_staging(self) -> tuple[int, float | None]:
+        """Bytes of staging the next async save would fault in (0: warm, or none expected yet), and
+        the bytes per second the last warm faulted in (None before one ran to its end)."""
+        pool = self._ckpt._pool
+        return pool.cold(), pool.warm_rate
 
     def _warm_staging(self) -> None:
         self._ckpt.warm_staging()
@@ -434,6 +438,9 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._root.release()
+            if self._ckpt.release_staging:
+                # staging warmed for a save that will not come: freed once the warm is done
+                self._ckpt.drop_warmed_staging()
 
     def __enter__(self):
         return self

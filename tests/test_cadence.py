@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from omnickpt.cadence import _LOCAL, PROFILE_STEPS, SETTLE, Cadence, choose_interval
+from omnickpt.cadence import _LOCAL, PROFILE_STEPS, SETTLE, WARM_BYTES_PER_S, Cadence, choose_interval
 
 
 @pytest.mark.parametrize("step,stall,background,interference,target", [
@@ -410,6 +410,14 @@ def test_steps_until_due_agrees_with_due():
     a.observe_call(0, 0.0)
     a.started(0, 0.0)
     assert a.steps_until_due(1) is None               # profiling: the second save comes when measured
+    t = _feed(a, [1], 0.0, 0.5)
+    a.durable(background_s=0.5)
+    t = _feed(a, [2], t, 0.5)                         # its settling step: the first save measured
+    assert [a.steps_until_due(2 + i) for i in range(1)] == [PROFILE_STEPS]
+    t = _feed(a, [3, 4], t, 0.5)                      # two quiet steps of the profiling window
+    assert a.steps_until_due(4) == PROFILE_STEPS - 2
+    t = _feed(a, [5, 6], t, 0.5)
+    assert a.steps_until_due(6) == 0 and a.due(6, in_flight=False)
     a.adopt(7, None)                                  # an interval agreed on
     assert a.steps_until_due(3) == 4 and a.steps_until_due(9) == 0
     a.failed(9)
@@ -423,3 +431,55 @@ def test_staging_is_warmed_as_many_steps_ahead_as_faulting_it_in_takes():
     assert warm_lead(1 << 20, 1.0) == 2               # well within a step: the call before, and one more
     n = int(4 * WARM_BYTES_PER_S)                     # 4 s of faulting
     assert warm_lead(n, 1.0) == 5 and warm_lead(n, 0.5) == 9
+
+
+class _Solo:
+    world_size = 1
+
+
+def test_warming_ahead_waits_for_the_second_half_of_the_interval():
+    """every=3 with a lead of 2: at the call right after a save the staging was never released; the
+    warm comes at the next call, once per save."""
+    from omnickpt.cadence import CadencePolicy
+    p = CadencePolicy(Cadence(3), _Solo())
+    p.cadence.started(0, 0.0)
+    p.cadence.durable(0.0)
+    assert not p.warm_due(1, 3 << 20)                 # 2 calls ahead, 1 call after the save
+    assert p.warm_due(2, 3 << 20)                     # 1 ahead, 2 after
+    assert not p.warm_due(2, 3 << 20)                 # once per save
+    p.cadence.started(3, 0.0)
+    assert not p.warm_due(4, 0)                       # nothing cold: nothing to warm
+    assert p.warm_due(5, 3 << 20, rate=1e12)
+    q = CadencePolicy(Cadence(20), _Solo())
+    q.cadence.observe_call(0, 0.0)
+    q.cadence.started(0, 0.0)
+    big = int(30 * WARM_BYTES_PER_S)                  # a lead longer than the interval at 1 s steps
+    for step in range(1, 20):
+        q.cadence.observe_call(step, float(step))     # 1 s steps
+        if step == 1:
+            q.cadence.durable(0.5)
+        if q.warm_due(step, big):
+            break
+    assert q.cadence.step_s == pytest.approx(1.0)
+    assert step == 11                                 # past mid-interval, not right after the save
+
+
+def test_the_steps_while_staging_warms_are_the_next_saves_cost():
+    """Where the warm's faults slow training (no idle core), the steps it overlaps are not quiet: they
+    count as the save's affected steps, against the quiet steps before the warm began."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    for _ in range(3):   # the first save (kept apart), then two warmed ahead
+        t = _feed(c, range(step + 1, step + 1 + _LOCAL), t, 1.0)
+        step += _LOCAL
+        c.warming()
+        t = _feed(c, [step + 1, step + 2], t, 1.3)    # the warm slows two steps by 0.3 s
+        step += 2
+        c.started(step, stall_s=0.0)
+        t = _feed(c, [step + 1], t, 1.0)              # the save itself: into warm memory, free
+        c.durable(background_s=0.5)
+        t = _feed(c, [step + 1 + SETTLE], t, 1.0)
+        step += 1 + SETTLE
+    rep = c.report()
+    assert rep.step_s == pytest.approx(1.0) and rep.cost_s == pytest.approx(0.6)

@@ -249,28 +249,39 @@ def test_with_staging_kept_warm_staging_has_nothing_to_do(tmp_path):
 
 
 def test_a_manager_warms_released_staging_a_few_calls_before_each_due_save(tmp_path, monkeypatch):
-    """CheckpointManager(every=4) with release_staging=True: the staging of each due save is warmed
-    warm_lead calls before it (2 for 3 MB and 50 ms steps), once, and that save allocates nothing."""
-    from omnickpt.cadence import warm_lead
+    """CheckpointManager(every=6) with release_staging=True: the staging of each due save is warmed
+    warm_lead calls before it (2 for 3 MB and 50 ms steps), once, in the second half of the interval
+    (released between saves), and that save allocates nothing. Closing frees a buffer warmed for a
+    save that never came."""
     state = _state()
     warmed: list[int] = []
     with omnickpt.Checkpointer(release_staging=True) as ckpt:
         real_warm = ckpt.warm_staging
         monkeypatch.setattr(ckpt, "warm_staging", lambda: (warmed.append(step), real_warm())[1])
-        with omnickpt.CheckpointManager(str(tmp_path), checkpointer=ckpt, every=4) as mgr:
-            allocated = _allocations(monkeypatch)
-            for step in range(10):
-                time.sleep(0.05)                       # the training step
-                saved = mgr.save(step, state, async_save=True)
-                assert (saved is not None) == (step % 4 == 0)
-                mgr.wait()
-                ckpt._persist.submit(int).result(10)   # a warm asked for at this call has run
-                if step == 4:
-                    assert ckpt._pool.held == 0        # released after the save
-                    count = len(allocated)
-                if step in (5, 6, 7):
-                    assert (ckpt._pool.idle_largest() > 0) == (step >= 6), step
-                if step == 8:
-                    assert len(allocated) == count + 1, "the warm allocated once and the save used it"
-        assert warm_lead(ckpt._pool.expected, 0.05) == 2
-    assert warmed == [2, 6]
+        allocated = _allocations(monkeypatch)
+        mgr = omnickpt.CheckpointManager(str(tmp_path), checkpointer=ckpt, every=6)
+        for step in range(11):
+            time.sleep(0.05)                           # the training step
+            saved = mgr.save(step, state, async_save=True)
+            assert (saved is not None) == (step % 6 == 0)
+            mgr.wait()
+            ckpt._persist.submit(int).result(10)       # a warm asked for at this call has run
+            if step in (0, 6):
+                assert ckpt._pool.held == 0            # released after the save
+            if 0 < step < 6:
+                assert (ckpt._pool.idle_largest() > 0) == (step >= 4), step
+        assert warmed == [4, 10]
+        assert len(allocated) == 3, "the first save's staging, and the two warms; the save at 6 took the warmed one"
+        assert ckpt._pool.idle_largest() > 0           # warmed at 10 for a save at 12
+        mgr.close()
+        ckpt._persist.submit(int).result(10)
+        assert ckpt._pool.held == 0, "closing the manager keeps memory warmed for a save that will not come"
+
+
+def test_warming_with_a_staging_budget_cuts_the_margin_not_the_warm():
+    """A state staged up to the budget expects `largest` bytes: the warm's margin does not fit beside
+    it, and is dropped rather than the warm."""
+    pool = StagingPool(budget=4 * MB + 2 * staging._PAGE)
+    assert pool.warm(pool.largest, slack=MB)
+    assert pool.idle_largest() == pool.largest and pool.held <= pool.budget
+    assert not StagingPool(budget=4 * MB).warm(8 * MB)   # larger than the budget: nothing

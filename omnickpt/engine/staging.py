@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import threading
+import time
 from concurrent.futures import Executor
 from typing import Sequence
 
@@ -124,6 +125,9 @@ class StagingPool:
         # Bytes of host staging the last async save asked for: what the next one is expected to ask
         # for (set by the save; Checkpointer.warm_staging warms that much ahead of a save).
         self.expected: int | None = None
+        # Bytes per second the last warm() that ran to its end faulted in (None before one has): how
+        # long warming ahead of a save takes on this machine (cadence.warm_lead).
+        self.warm_rate: float | None = None
 
     @property
     def largest(self) -> int | None:
@@ -216,13 +220,16 @@ class StagingPool:
         in, for the next acquire(). A buffer's first use faults every page in, and a lazy
         snapshot's copy into it is what the next optimizer step waits for: warmed ahead (a
         restarted job's first save, after its load), that copy runs at memcpy speed. The buffer
-        made holds `slack` bytes more than `nbytes` (an estimate's margin). Gives way: an
-        acquire() meanwhile gets the buffer as far as it is warm, at the end of the current
-        `chunk`. Nothing is done when an idle buffer of `nbytes` exists, a buffer is in use (its
-        save or load has its memory), the budget has no room, or another warm() runs. Returns
-        whether a buffer was warmed."""
-        if self.largest is not None and nbytes + slack > self.largest:
-            return False
+        made holds `slack` bytes more than `nbytes` (an estimate's margin), or as many of them as
+        the budget allows. Gives way: an acquire() meanwhile gets the buffer as far as it is warm,
+        at the end of the current `chunk`. Nothing is done when an idle buffer of `nbytes` exists,
+        a buffer is in use (its save or load has its memory), the budget has no room, or another
+        warm() runs. Returns whether a buffer was warmed; one warmed whole sets `warm_rate`."""
+        if self.largest is not None:
+            if nbytes > self.largest:
+                return False
+            # a save staging up to the budget asks for no more than `largest`: the margin is cut, not the warm
+            slack = max(0, min(slack, self.largest - nbytes))
         with self._cond:
             if (self._no_warm or self._warming is not None or self._out or self._making or self._asking
                     or not self._free
@@ -242,6 +249,7 @@ class StagingPool:
             wanted = self._warming = threading.Event()
         buf = None
         try:
+            t0 = time.perf_counter()
             buf = _page_aligned(nbytes, False)
             addr = buf.data_ptr()
             for off in range(0, nbytes, chunk):
@@ -250,6 +258,8 @@ class StagingPool:
                 # one thread, the GIL released (a ctypes call), not torch's intra-op pool, which
                 # would fault at the training threads' priority
                 ctypes.memset(addr + off, 0, min(chunk, nbytes - off))
+            else:
+                self.warm_rate = nbytes / max(time.perf_counter() - t0, 1e-6)
         finally:
             with self._cond:
                 self._warming = None
