@@ -19,7 +19,9 @@ would: every step that a save affected against the baseline step time.
   the mean of the window it set the interval at 56 steps instead of about 20 for the next 16
   saves, and the report said +5.0% where a stopwatch measured 0% (bench/cadence.py). The
   interval is for the saves to come, and a one-time cost is not one of theirs. A job whose every
-  save pays it (`release_staging=True`) still has it in every later save's cost.
+  save pays it (`release_staging=True`) still has it in every later save's cost: in the step the
+  copy holds, or, where the manager warms the staging ahead (`warming()`), in the steps the warm
+  overlaps, which count as the save's affected steps rather than quiet ones.
 - The **affected steps** of a save are the steps from its call until it is durable (the first one
   holds its stall) plus the settling step(s). Its **cost** is their time minus as many baseline
   steps, the baseline of the quiet steps just before it (the machine's speed drifts from minute to
