@@ -285,3 +285,47 @@ def test_warming_with_a_staging_budget_cuts_the_margin_not_the_warm():
     assert pool.warm(pool.largest, slack=MB)
     assert pool.idle_largest() == pool.largest and pool.held <= pool.budget
     assert not StagingPool(budget=4 * MB).warm(8 * MB)   # larger than the budget: nothing
+
+
+def _two_rank_warm_ahead(rank, world, root):
+    """A DDP model on 2 gloo ranks, CheckpointManager(every=6) with released staging: the steps each rank
+    warmed at, how many staging buffers it allocated, the steps it saved and those committed."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]))
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optim": opt}
+    warmed, saved = [], []
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        real = ckpt.warm_staging
+        ckpt.warm_staging = lambda: (warmed.append(step), real())[1]
+        allocated: list[int] = []
+        plain = staging._page_aligned
+        staging._page_aligned = lambda n, pin: (allocated.append(n), plain(n, pin))[1]
+        try:
+            with omnickpt.CheckpointManager(root, checkpointer=ckpt, every=6) as mgr:
+                for step in range(13):
+                    model(torch.randn(8, 256)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    time.sleep(0.05)
+                    if mgr.save(step, state, async_save=True) is not None:
+                        saved.append(step)
+                    mgr.wait()
+                    ckpt._persist.submit(int).result(10)
+                    dist.barrier()
+                committed = mgr.steps()
+        finally:
+            staging._page_aligned = plain
+    return warmed, len(allocated), saved, committed
+
+
+def test_each_rank_warms_its_own_staging_ahead_of_the_saves_both_make(tmp_path):
+    from dist import run_ranks
+    results = run_ranks(2, _two_rank_warm_ahead, str(tmp_path))
+    for warmed, allocations, saved, committed in results:
+        assert saved == committed == [0, 6, 12]
+        assert warmed == [4, 10]
+        # the first save's staging, then one warm per later save, which that save used
+        assert allocations == 3
