@@ -177,6 +177,7 @@ class Cadence:
         # Steps run while the next save's staging warms (warming()): that save's, not quiet ones.
         self._pre: _Flight | None = None
         self._warm_pending = False   # warming() was told: the steps after the open save closes go to _pre
+        self.quiet_since_save = 0    # quiet steps measured since the last save started
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
         # "auto" across ranks: each rank measures its own times, so the interval in force is one the
@@ -207,6 +208,7 @@ class Cadence:
             return
         if f is None:
             self._quiet.append(seconds / steps)
+            self.quiet_since_save += 1
             return
         f.seconds += seconds
         f.steps += steps
@@ -231,6 +233,7 @@ class Cadence:
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
         pre, self._pre, self._warm_pending = self._pre, None, False
+        self.quiet_since_save = 0
         if pre is not None:   # the steps since its staging began to warm are this save's too
             self._open = dataclasses.replace(pre, stall=max(stall_s, 0.0))
         else:
@@ -242,8 +245,11 @@ class Cadence:
         """The next save's staging begins to warm now (in the background): the steps from here to
         that save (from the end of the last save's settling, if it still settles) count as affected
         by it, against the quiet steps before (the warm's faults are CPU work, which slows training
-        where no core is idle, and that is part of what the save costs)."""
-        self._warm_pending = True
+        where no core is idle, and that is part of what the save costs). Not while "auto" profiles:
+        its second save waits for PROFILE_STEPS quiet steps, which those steps would never become
+        (a review found a job that never saved again), so a warm then weighs on the baseline."""
+        if not self.profiling():
+            self._warm_pending = True
 
     def durable(self, background_s: float) -> None:
         """The open save is durable, `background_s` after its call: SETTLE more steps count as its."""
@@ -470,9 +476,12 @@ class CadencePolicy:
         step time and warming `rate`), but never in the first half of the calls between two saves,
         so that memory released after each save stays released for half the interval at least
         (with a lead longer than that the warm starts at mid-interval, and the save takes the
-        buffer as far as it is warm). The steps from here to the save count as its own."""
+        buffer as far as it is warm), and only once a quiet step has been measured since the last
+        save: the steps from here to the save count as its own, and the baseline needs one quiet
+        step an interval to follow the machine's speed (an interval at its minimum, flight +
+        SETTLE + 1, has just that one, and its save is not warmed ahead)."""
         cadence = self.cadence
-        if not cold_bytes or self._warmed_after == cadence.last_saved:
+        if not cold_bytes or self._warmed_after == cadence.last_saved or cadence.quiet_since_save < 1:
             return False
         ahead = cadence.steps_until_due(step)
         if ahead is None or ahead > warm_lead(cold_bytes, cadence.step_s, rate):

@@ -437,19 +437,44 @@ class _Solo:
     world_size = 1
 
 
-def test_warming_ahead_waits_for_the_second_half_of_the_interval():
-    """every=3 with a lead of 2: at the call right after a save the staging was never released; the
-    warm comes at the next call, once per save."""
+def test_warming_ahead_waits_for_a_quiet_step_and_the_second_half_of_the_interval():
+    """every=4, saves in flight for one step: the call right after a save and its settling step are
+    not quiet and lie in the first half; the warm comes once a quiet step has been measured, once
+    per save. An interval with no quiet step (every=3 here) is never warmed ahead: the baseline needs
+    that step."""
     from omnickpt.cadence import CadencePolicy
-    p = CadencePolicy(Cadence(3), _Solo())
-    p.cadence.started(0, 0.0)
-    p.cadence.durable(0.0)
-    assert not p.warm_due(1, 3 << 20)                 # 2 calls ahead, 1 call after the save
-    assert p.warm_due(2, 3 << 20)                     # 1 ahead, 2 after
-    assert not p.warm_due(2, 3 << 20)                 # once per save
-    p.cadence.started(3, 0.0)
-    assert not p.warm_due(4, 0)                       # nothing cold: nothing to warm
-    assert p.warm_due(5, 3 << 20, rate=1e12)
+    p = CadencePolicy(Cadence(4), _Solo())
+    c = p.cadence
+    c.observe_call(0, 0.0)
+    c.started(0, 0.0)
+    c.observe_call(1, 1.0)                            # in flight
+    c.durable(0.5)
+    assert not p.warm_due(1, 3 << 20)
+    c.observe_call(2, 2.0)                            # settling
+    assert not p.warm_due(2, 3 << 20)
+    c.observe_call(3, 3.0)                            # quiet
+    assert c.quiet_since_save == 1 and p.warm_due(3, 3 << 20)
+    assert not p.warm_due(3, 3 << 20)                 # once per save
+    c.observe_call(4, 4.0)
+    c.started(4, 0.0)
+    assert c.quiet_since_save == 0
+    for step in (5, 6, 7):
+        c.observe_call(step, float(step))
+        if step == 5:
+            c.durable(0.5)
+    assert not p.warm_due(7, 0)                       # nothing cold: nothing to warm
+    assert p.warm_due(7, 3 << 20, rate=1e12)
+    three = CadencePolicy(Cadence(3), _Solo())
+    three.cadence.observe_call(0, 0.0)
+    three.cadence.started(0, 0.0)
+    for step in range(1, 13):
+        three.cadence.observe_call(step, float(step))
+        if step % 3 == 0:
+            three.cadence.started(step, 0.0)
+        elif step % 3 == 1:
+            three.cadence.durable(0.5)
+        else:
+            assert not three.warm_due(step, 3 << 20)
     q = CadencePolicy(Cadence(20), _Solo())
     q.cadence.observe_call(0, 0.0)
     q.cadence.started(0, 0.0)
@@ -466,20 +491,37 @@ def test_warming_ahead_waits_for_the_second_half_of_the_interval():
 
 def test_the_steps_while_staging_warms_are_the_next_saves_cost():
     """Where the warm's faults slow training (no idle core), the steps it overlaps are not quiet: they
-    count as the save's affected steps, against the quiet steps before the warm began."""
+    count as the save's affected steps, against the quiet steps before the warm began. While "auto"
+    profiles they stay quiet steps: its second save waits for PROFILE_STEPS of them."""
     c = Cadence("auto", max_overhead=0.05)
     t, step = 0.0, 0
     c.observe_call(step, t)
-    for _ in range(3):   # the first save (kept apart), then two warmed ahead
+    for i in range(4):   # the first save (kept apart), the profiling save, then two warmed ahead
         t = _feed(c, range(step + 1, step + 1 + _LOCAL), t, 1.0)
         step += _LOCAL
         c.warming()
-        t = _feed(c, [step + 1, step + 2], t, 1.3)    # the warm slows two steps by 0.3 s
+        t = _feed(c, [step + 1, step + 2], t, 1.3 if i >= 2 else 1.0)   # the warm slows two steps by 0.3 s
         step += 2
+        if i == 1:   # profiling: still quiet steps
+            assert c._pre is None and c.quiet_since_save == _LOCAL + 2
         c.started(step, stall_s=0.0)
         t = _feed(c, [step + 1], t, 1.0)              # the save itself: into warm memory, free
         c.durable(background_s=0.5)
         t = _feed(c, [step + 1 + SETTLE], t, 1.0)
         step += 1 + SETTLE
+    assert [round(c._cost(f, 1.0), 6) for f in c._saves] == [0.0, 0.6, 0.6]
     rep = c.report()
-    assert rep.step_s == pytest.approx(1.0) and rep.cost_s == pytest.approx(0.6)
+    assert rep.step_s == pytest.approx(1.0) and rep.cost_s == pytest.approx(0.4)
+
+
+def test_auto_with_released_staging_goes_on_saving(tmp_path):
+    """every="auto" with release_staging=True: warming ahead of the profiling save must not keep its
+    quiet steps from being counted (a review found a job that never saved after its first save)."""
+    import omnickpt
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        with omnickpt.CheckpointManager(str(tmp_path), checkpointer=ckpt, every="auto", max_overhead=0.5) as mgr:
+            saved = _train(mgr, 60, 0.01, until_saves=4)
+            rep = mgr.cadence_report()
+            assert ckpt._pool.warm_rate is not None, "no save was warmed ahead"
+    assert len(saved) >= 4, saved
+    assert not rep["profiling"] and rep["interval"] is not None and rep["quiet_steps"] >= PROFILE_STEPS

@@ -125,7 +125,7 @@ class StagingPool:
         # Bytes of host staging the last async save asked for: what the next one is expected to ask
         # for (set by the save; Checkpointer.warm_staging warms that much ahead of a save).
         self.expected: int | None = None
-        # Bytes per second the last warm() that ran to its end faulted in (None before one has): how
+        # Bytes per second the last warm() faulted in, as far as it went (None before one ran): how
         # long warming ahead of a save takes on this machine (cadence.warm_lead).
         self.warm_rate: float | None = None
 
@@ -224,7 +224,7 @@ class StagingPool:
         the budget allows. Gives way: an acquire() meanwhile gets the buffer as far as it is warm,
         at the end of the current `chunk`. Nothing is done when an idle buffer of `nbytes` exists,
         a buffer is in use (its save or load has its memory), the budget has no room, or another
-        warm() runs. Returns whether a buffer was warmed; one warmed whole sets `warm_rate`."""
+        warm() runs. Returns whether a buffer was warmed; each sets `warm_rate`, as far as it went."""
         if self.largest is not None:
             if nbytes > self.largest:
                 return False
@@ -249,7 +249,7 @@ class StagingPool:
             wanted = self._warming = threading.Event()
         buf = None
         try:
-            t0 = time.perf_counter()
+            t0, done = time.perf_counter(), 0
             buf = _page_aligned(nbytes, False)
             addr = buf.data_ptr()
             for off in range(0, nbytes, chunk):
@@ -258,8 +258,9 @@ class StagingPool:
                 # one thread, the GIL released (a ctypes call), not torch's intra-op pool, which
                 # would fault at the training threads' priority
                 ctypes.memset(addr + off, 0, min(chunk, nbytes - off))
-            else:
-                self.warm_rate = nbytes / max(time.perf_counter() - t0, 1e-6)
+                done = min(off + chunk, nbytes)
+            if done:   # a warm cut short by a save measures too: a lead too short is how it gets cut
+                self.warm_rate = done / max(time.perf_counter() - t0, 1e-6)
         finally:
             with self._cond:
                 self._warming = None
