@@ -338,8 +338,9 @@ class Cadence:
 
     def steps_until_due(self, step: int) -> int | None:
         """Calls from `step` (a call not due) until the next due one, as due() would decide them
-        with nothing else changing; None where that is not known ahead: before the first save,
-        "continuous", "auto" while profiling, and after a failed attempt (its backoff)."""
+        with nothing else changing (in "auto"'s profiling window: the quiet steps its second save
+        still waits for); None where that is not known ahead: before the first save, "continuous",
+        "auto" before its first save is measured to its end, and after a failed attempt."""
         last = self._last_saved
         if last is None or self.failures or self.every == "continuous":
             return None
