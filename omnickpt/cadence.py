@@ -339,11 +339,15 @@ class Cadence:
     def steps_until_due(self, step: int) -> int | None:
         """Calls from `step` (a call not due) until the next due one, as due() would decide them
         with nothing else changing (in "auto"'s profiling window: the quiet steps its second save
-        still waits for); None where that is not known ahead: before the first save, "continuous",
-        "auto" before its first save is measured to its end, and after a failed attempt."""
+        still waits for; after failed attempts: the interval times their backoff, as due() spaces
+        them); None where that is not known ahead: before the first save, "continuous", and "auto"
+        before its first save is measured to its end."""
         last = self._last_saved
-        if last is None or self.failures or self.every == "continuous":
+        if last is None or self.every == "continuous":
             return None
+        if self.failures:
+            interval = self.agreed or self.interval() or 1
+            return max(last + interval * backoff(self.failures) - step, 0)
         if isinstance(self.every, int):
             k = self.every
             return min(-(-step // k) * k, max(step, last + k)) - step

@@ -421,7 +421,9 @@ def test_steps_until_due_agrees_with_due():
     a.adopt(7, None)                                  # an interval agreed on
     assert a.steps_until_due(3) == 4 and a.steps_until_due(9) == 0
     a.failed(9)
-    assert a.steps_until_due(10) is None              # backing off
+    assert a.steps_until_due(10) == 6                 # one failure: the interval, from the failed attempt
+    a.failed(None)                                    # a second one in a row (found later): 2 intervals
+    assert a.steps_until_due(10) == 13 and not a.due(22, False) and a.due(23, False)
     assert Cadence("continuous").steps_until_due(5) is None
 
 
