@@ -91,20 +91,18 @@ class SaveLoop:
     The manager does the saving itself, through callables (held weakly: the loop never keeps its
     manager alive): `start(step, state, async_save, kwargs)` checks the call and starts the save
     (returns its handle), `finish()` waits for the save in flight (returns its report, raises its
-    failure), `in_flight()` says whether one is still on its way to being durable; with a cadence,
-    `cold()` gives the bytes of staging the next save would fault in and the rate a warm faults
-    memory in here, and `warm()` has them warmed (Checkpointer.warm_staging), which the loop asks for
-    a few calls ahead of each due save."""
+    failure), `in_flight()` says whether one is still on its way to being durable. With a cadence,
+    the loop has `checkpointer` (the manager's, whose staging its saves use) warm the next save's
+    staging a few calls ahead of it (Checkpointer.warm_staging), where the last save released it."""
 
     def __init__(self, root: StepRoot, on_error: str, cadence: CadencePolicy | None, guard: FailureGuard, *,
                  start: Callable, finish: Callable[[], dict | None], in_flight: Callable[[], bool],
-                 cold: Callable[[], tuple[int, float | None]] | None = None,
-                 warm: Callable[[], object] | None = None):
+                 checkpointer: Checkpointer | None = None):
         check_on_error(on_error)
         self.root, self.on_error, self.cadence, self.guard = root, on_error, cadence, guard
         self._start, self._finish, self._in_flight = (weakref.WeakMethod(start), weakref.WeakMethod(finish),
                                                       weakref.WeakMethod(in_flight))
-        self._staging = None if cold is None or warm is None else (weakref.WeakMethod(cold), weakref.WeakMethod(warm))
+        self._ckpt = checkpointer
         self.saved: set[int] = set()     # steps of this run in flight or committed: never saved twice
         self.failures: list[dict] = []
         self.failure_count = 0
@@ -143,11 +141,18 @@ class SaveLoop:
         in the background, if the last save did not leave it warm (release_staging=True): the save's
         copy then runs at memcpy speed instead of faulting memory in while the optimizer step after
         it waits. Rank-local (no collective): a rank that warms later only pays the faults itself."""
-        if self._staging is None:
+        ckpt = self._ckpt
+        if ckpt is None or not ckpt.release_staging:
             return
-        cold, warm = self._staging
-        if self.cadence.warm_due(step, *cold()()):
-            warm()()
+        pool = ckpt._pool
+        if self.cadence.warm_due(step, pool.cold(), pool.warm_rate):
+            ckpt.warm_staging()
+
+    def drop_warmed(self) -> None:
+        """At the manager's close: staging warmed for a save that will not come is freed once the
+        warm is done."""
+        if self._ckpt is not None and self._ckpt.release_staging:
+            self._ckpt.drop_warmed_staging()
 
     def check_new(self, step: int) -> None:
         """Misuse, always raised: a step number this run saved before."""
@@ -246,7 +251,7 @@ class CheckpointManager:
                                    save=self._save_at_failure, latest=self.latest_step)
         cadence = cadence_of(opts.every, opts.max_overhead, opts.max_interval, self._comm)
         self._loop = SaveLoop(self._root, opts.on_error, cadence, self._guard, start=self._save, finish=self._wait,
-                              in_flight=self._in_flight, cold=self._cold_staging, warm=self._warm_staging)
+                              in_flight=self._in_flight, checkpointer=self._ckpt)
         # Incremental: each save writes only the blocks changed since the previous committed step
         # and references that step's data; a full save every `full_every` saves bounds how far back
         # retention must keep data (omnickpt/steps.py keeps what a kept step references).
@@ -351,14 +356,6 @@ class CheckpointManager:
         """Whether a save of ours is still on its way to being durable (this rank's view)."""
         return self._pending is not None and not self._pending[1].done()
 
-    def _cold_staging(self) -> tuple[int, float | None]:
-        """Bytes of staging the next async save would fault in (0: warm, or none expected yet), and
-        the bytes per second the last warm faulted in (None before one ran to its end)."""
-        pool = self._ckpt._pool
-        return pool.cold(), pool.warm_rate
-
-    def _warm_staging(self) -> None:
-        self._ckpt.warm_staging()
 
     def cadence_report(self) -> dict | None:
         """With every=: the mode, the interval in force, and what it was chosen from (seconds per
@@ -438,9 +435,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._root.release()
-            if self._ckpt.release_staging:
-                # staging warmed for a save that will not come: freed once the warm is done
-                self._ckpt.drop_warmed_staging()
+            self._loop.drop_warmed()
 
     def __enter__(self):
         return self

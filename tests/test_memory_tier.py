@@ -503,3 +503,27 @@ def test_s3_durable_root_and_restore_while_s3_is_unreachable(job, monkeypatch):
         res = _manager(root, job, **kw).load_latest(state)
         assert (res.report["tier"], res.report["step"]) == ("durable", 2)
         _check_step(fresh, state["extra"], 2)
+
+
+def test_the_memory_tier_warms_released_staging_ahead_of_its_saves(tmp_path):
+    """TieredCheckpointManager(every=6) on a Checkpointer with release_staging=True: its saves to
+    shared memory go through the same staging, warmed ahead of each due save as CheckpointManager's."""
+    import time
+    job = f"warm{os.getpid()}"
+    model = torch.nn.Sequential(*[torch.nn.Linear(SIZE, SIZE) for _ in range(8)])
+    warmed = []
+    with omnickpt.Checkpointer(release_staging=True) as ckpt:
+        real = ckpt.warm_staging
+        ckpt.warm_staging = lambda: (warmed.append(step), real())[1]
+        with _manager(tmp_path / "root", job, every=6, checkpointer=ckpt) as mgr:
+            for step in range(11):
+                time.sleep(0.05)
+                mgr.save(step, {"model": model})
+                mgr.wait()
+                ckpt._persist.submit(int).result(10)
+                if step == 5:
+                    assert ckpt._pool.idle_largest() >= ckpt._pool.expected   # warmed for the save at 6
+            assert ckpt._pool.held > 0                 # warmed at 10 for a save at 12 that never comes
+        ckpt._persist.submit(int).result(10)
+        assert ckpt._pool.held == 0, "closing the manager keeps memory warmed for a save that will not come"
+    assert warmed == [4, 10]

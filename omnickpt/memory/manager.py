@@ -85,7 +85,7 @@ class TieredCheckpointManager:
                                    save=self._save_at_failure, latest=self.latest_step)
         cadence = cadence_of(opts.every, opts.max_overhead, opts.max_interval, self._comm)
         self._loop = SaveLoop(self._root, opts.on_error, cadence, self._guard, start=self._save, finish=self._wait,
-                              in_flight=self._in_flight)
+                              in_flight=self._in_flight, checkpointer=self._ckpt)
         self._place = self._place_ranks(memory)
         self._restore = MemoryRestore(self._tier, self._place, self._comm, self._ckpt, self._root)
         # Background work, as the Checkpointer's own persist thread: it yields to training.
@@ -551,6 +551,7 @@ class TieredCheckpointManager:
             for pool in (self._lane, self._durable_lane, self._copy_io):
                 pool.shutdown(wait=clean)
             self._root.release()
+            self._loop.drop_warmed()
             if clean and self._place.machine_leader:
                 self._tier.remove_job_dir()
         if error is not None:
