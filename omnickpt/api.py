@@ -266,22 +266,22 @@ class Checkpointer:
         in use when it runs. drop_warmed_staging() frees a warmed buffer no save used."""
         self._own_process()
         nbytes = self._pool.cold()
-        if not nbytes:
-            return False
-        try:
-            self._persist.submit(self._pool.warm, nbytes, WARM_SLACK)
-        except RuntimeError:   # closed: its threads are gone, and no save will come
-            return False
-        return True
+        return bool(nbytes) and self._behind_persist(self._pool.warm, nbytes, WARM_SLACK)
 
     def drop_warmed_staging(self) -> None:
         """Free a staging buffer warm_staging() (or a load) warmed that no save has used, once a
         warm under way is done (queued behind it on the persist thread): a manager that closes
         before the save it warmed for."""
+        self._behind_persist(self._pool.drop_speculative)
+
+    def _behind_persist(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Queue `fn(*args)` on the persist thread (niced, after a save still persisting); False
+        once closed (its threads are gone, close() freed the pool, and no save will come)."""
         try:
-            self._persist.submit(self._pool.drop_speculative)
-        except RuntimeError:   # closed: close() freed the pool
-            pass
+            self._persist.submit(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _snapshot_thread(self) -> ThreadPoolExecutor:
         """Where lazy copies run as soon as save() returns, not behind an earlier save's persist on
