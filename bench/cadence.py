@@ -11,16 +11,17 @@ overhead the loop really pays, on a noisy machine.
    most `--warmup-max` steps). The cadence keeps a process's first save (3-10x a steady one: staging
    faulted in, plans made) out of its cost itself; `--warmup-saves 17` fills its window of 16 saves
    with later ones, as in a long job;
-2. `--pairs` pairs of rounds, alternating: a round of n steps with no save() call (the baseline,
-   measured now, beside the round it is compared with: the machine's speed drifts between rounds
-   more than the target), then a round of n steps calling save(step, state, async_save=True) at every
-   step; n is a whole number of intervals (the interval in force at the round's start, at least
+2. `--pairs` pairs of rounds: a round of n steps with no save() call (the baseline, measured now,
+   beside the round it is compared with: the machine's speed drifts between rounds more than the
+   target) and a round of n steps calling save(step, state, async_save=True) at every step, the
+   baseline first in even pairs and second in odd ones (a drift within a run weighs on both kinds
+   alike); n is a whole number of intervals (the interval in force at the round's start, at least
    `--min-steps`), so a with-round holds the saves the cadence would make in n steps, and the round
    runs on until its last save is durable and one more step ran (its whole cost inside the round);
    the outside overhead of a pair = (the with-round's seconds - its steps x the baseline's seconds
    per step) / (n x the baseline's seconds per step);
-3. a positive control, the same alternation with a manager saving every `--control-every` steps:
-   the stopwatch must see its cost (tens of percent), or it could not see anything.
+3. a positive control, the same alternation with a manager saving every `--control-every` steps, in
+   rounds as long as the cadence's: the stopwatch must see its cost, or it could not see anything.
 
 Per run: the median over pairs of the outside overhead, and the median of the report's
 `overhead` taken at the start of each with-round (the figure the manager claims for the interval
@@ -58,6 +59,20 @@ def _build(name: str):
         cls, full, small = W.WORKLOADS[workload]
         W.WORKLOADS = {**W.WORKLOADS, workload: (cls, {**full, **override}, small)}
     return W.build(workload, framework, quick=False)
+
+
+def quiet_first(pair: int) -> bool:
+    """Whether a pair's round without saves runs first: the order alternates (without-with, with-without,
+    ...), so that a machine drifting slower or faster through a run weighs on both kinds of round alike
+    (always timing the round with saves second counted a slowing machine as the saves' cost)."""
+    return pair % 2 == 0
+
+
+def pair_overhead(quiet_s: float, quiet_steps: int, busy_s: float, busy_steps: int, n: int) -> float:
+    """The with-round's time beyond as many steps at the round without saves' pace, against the n steps
+    its saves cover (the with-round may run a few steps past n, until its last save is durable)."""
+    base = quiet_s / quiet_steps
+    return (busy_s - busy_steps * base) / (n * base)
 
 
 def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pairs: int, min_steps: int,
@@ -110,23 +125,30 @@ def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pa
 
     def alternate(mgr, n_of) -> list[dict]:
         out = []
-        for _ in range(pairs):
+        for k in range(pairs):
             n = dist_all(n_of())[0]     # rank 0's: every rank runs the same steps
             rep = mgr.cadence_report()
-            quiet_s, quiet_n, _ = run_round(n)
-            quiet_trace = list(trace)
-            busy_s, busy_n, saves = run_round(n, mgr)
+            if quiet_first(k):
+                quiet_s, quiet_n, _ = run_round(n)
+                quiet_trace = list(trace)
+                busy_s, busy_n, saves = run_round(n, mgr)
+                busy_trace = list(trace)
+            else:
+                busy_s, busy_n, saves = run_round(n, mgr)
+                busy_trace = list(trace)
+                quiet_s, quiet_n, _ = run_round(n)
+                quiet_trace = list(trace)
             end = mgr.cadence_report()
             base = quiet_s / quiet_n
-            # the with-round's time beyond as many baseline steps, against the n steps its saves cover
-            out.append({"n": n, "without_s_per_step": base, "with_s": busy_s, "with_steps": busy_n, "saves": saves,
-                        "outside": (busy_s - busy_n * base) / (n * base), "reported": rep["overhead"],
+            out.append({"n": n, "without_first": quiet_first(k), "without_s_per_step": base, "with_s": busy_s,
+                        "with_steps": busy_n, "saves": saves,
+                        "outside": pair_overhead(quiet_s, quiet_n, busy_s, busy_n, n), "reported": rep["overhead"],
                         "interval": rep["interval"], "interval_after": end["interval"],
                         # what the report says this round's saves cost: its cost per save x the saves
                         "reported_round": (end["cost_s"] * saves / (n * end["step_s"])
                                            if end["cost_s"] is not None and end["step_s"] else None),
                         "report_step_s": end["step_s"], "report_cost_s": end["cost_s"],
-                        "trace_without": [t for t, _ in quiet_trace], "trace_with": list(trace)})
+                        "trace_without": [t for t, _ in quiet_trace], "trace_with": busy_trace})
         return out
 
     result = {}
@@ -151,7 +173,8 @@ def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pa
         mgr.wait()
         result["report"] = mgr.cadence_report()
     with omnickpt.CheckpointManager(os.path.join(root, "control"), keep_last=2, every=control_every) as mgr:
-        result["control"] = alternate(mgr, lambda: max(min_steps // 2, 2 * control_every))
+        # rounds as long as the cadence's: a shorter round's mean step is noisier than the saves it times
+        result["control"] = alternate(mgr, lambda: control_every * max(2, math.ceil(min_steps / control_every)))
         mgr.wait()
         result["control_report"] = mgr.cadence_report()
     return result
