@@ -13,6 +13,12 @@ would: every step that a save affected against the baseline step time.
   first interval from that second save. The baseline is refreshed all along: every interval
   "auto" chooses leaves at least one quiet step after each save's flight and settling step, and
   the window keeps the newest `_WINDOW` of them.
+- The profiling window's quiet steps are a process's first ones, and often slower than its later
+  ones (its allocator grows and its memory is faulted in: mlp/ddp 0.87-0.89 s a step there, 0.55-0.6 s
+  later). Against them the next saves seemed to cost less than nothing, and "auto" kept its shortest
+  interval for 40 steps and more: +1.3% reported, +8.7% measured outside (bench/cadence.py). They are
+  **forgotten** once `PROFILE_STEPS` quiet steps after the second save are measured, and the saves
+  measured against them are measured against the baseline since (`_forget_warm_up`).
 - The **first save** of a cadence is kept apart (`first_cost_s` in the report). It pays what only
   a process's first save pays: its staging memory faulted in, its plan made, its threads' first
   work. On the 806 MB MLP (2 DDP ranks) that was 2.8 s against 0.2-0.4 s for each later save; in
@@ -177,6 +183,11 @@ class Cadence:
         # Steps run while the next save's staging warms (warming()): that save's, not quiet ones.
         self._pre: _Flight | None = None
         self._warm_pending = False   # warming() was told: the steps after the open save closes go to _pre
+        # The quiet steps measured before the second save (the profiling window's, early in the
+        # process: its warm-up) are the window's oldest `_provisional` ones until PROFILE_STEPS
+        # quiet steps after them are measured (`_since_profile`); then they are forgotten.
+        self._provisional = 0
+        self._since_profile: int | None = None   # None until the second save starts
         self.quiet_since_save = 0    # quiet steps measured since the last save started
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
@@ -207,8 +218,14 @@ class Cadence:
             self._pre.coarse = self._pre.coarse or steps > 1
             return
         if f is None:
+            if self._provisional and len(self._quiet) == self._quiet.maxlen:
+                self._provisional -= 1   # the append pushes the oldest out
             self._quiet.append(seconds / steps)
             self.quiet_since_save += 1
+            if self._since_profile is not None and self._provisional:
+                self._since_profile += 1
+                if self._since_profile >= PROFILE_STEPS:
+                    self._forget_warm_up()
             return
         f.seconds += seconds
         f.steps += steps
@@ -219,6 +236,16 @@ class Cadence:
             f.settle_left -= steps
             if f.settle_left <= 0:
                 self._close()
+
+    def _forget_warm_up(self) -> None:
+        """PROFILE_STEPS quiet steps were measured after the second save: the profiling window's
+        go, and every save measured against them is measured against the baseline now instead."""
+        for _ in range(self._provisional):
+            self._quiet.popleft()
+        self._provisional = 0
+        for f in (*self._saves, self._open, self._pre):
+            if f is not None:
+                f.base = None
 
     def _close(self) -> None:
         if self._open is not None and self._open.steps > 0:
@@ -232,6 +259,9 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
+        if self._since_profile is None and self._first is not None and not self._saves:
+            # the second save: the quiet steps so far were measured early in the process
+            self._provisional, self._since_profile = len(self._quiet), 0
         pre, self._pre, self._warm_pending = self._pre, None, False
         self.quiet_since_save = 0
         if pre is not None:   # the steps since its staging began to warm are this save's too
