@@ -17,7 +17,7 @@ would: every step that a save affected against the baseline step time.
   ones (its allocator grows and its memory is faulted in: mlp/ddp 0.87-0.89 s a step there, 0.55-0.6 s
   later). Against them the next saves seemed to cost less than nothing, and "auto" kept its shortest
   interval for 40 steps and more: +1.3% reported, +8.7% measured outside (bench/cadence.py). They are
-  **forgotten** once `PROFILE_STEPS` quiet steps after the second save are measured, and the saves
+  **forgotten** once `PROFILE_STEPS` quiet steps after "auto"'s second save are measured, and the saves
   measured against them are measured against the baseline since (`_forget_warm_up`).
 - The **first save** of a cadence is kept apart (`first_cost_s` in the report). It pays what only
   a process's first save pays: its staging memory faulted in, its plan made, its threads' first
@@ -238,14 +238,15 @@ class Cadence:
                 self._close()
 
     def _forget_warm_up(self) -> None:
-        """PROFILE_STEPS quiet steps were measured after the second save: the profiling window's
-        go, and every save measured against them is measured against the baseline now instead."""
+        """PROFILE_STEPS quiet steps were measured after the second save: the profiling window's go,
+        and the saves measured against them (closed ones: none is open or warming at a quiet step)
+        are measured against the baseline of each later report instead (the mean of the window, no
+        longer holding the warm-up: steadier than the few quiet steps since the second save)."""
         for _ in range(self._provisional):
             self._quiet.popleft()
         self._provisional = 0
-        for f in (*self._saves, self._open, self._pre):
-            if f is not None:
-                f.base = None
+        for f in self._saves:
+            f.base = None
 
     def _close(self) -> None:
         if self._open is not None and self._open.steps > 0:
@@ -259,8 +260,9 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
-        if self._since_profile is None and self._first is not None and not self._saves:
-            # the second save: the quiet steps so far were measured early in the process
+        if self.every == "auto" and self._since_profile is None and self._first is not None and self._quiet:
+            # "auto"'s first save after the first with quiet steps before it (its second, unless one was
+            # forced before any quiet step): the quiet steps so far were measured early in the process
             self._provisional, self._since_profile = len(self._quiet), 0
         pre, self._pre, self._warm_pending = self._pre, None, False
         self.quiet_since_save = 0
@@ -326,7 +328,8 @@ class Cadence:
 
     def _cost(self, f: _Flight, base: float) -> float:
         """A save's cost: its affected steps' time less as many steps of the quiet steps just before
-        it (of `base`, the baseline now, for a save that had none before it)."""
+        it (of `base`, the baseline now, for a save that had none before it, or whose quiet steps
+        were the profiling window's: _forget_warm_up)."""
         return f.seconds - (f.base if f.base is not None else base) * f.steps
 
     def _figures(self) -> dict | None:

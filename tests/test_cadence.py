@@ -130,6 +130,42 @@ def test_the_profiling_windows_warm_up_steps_are_forgotten_once_later_quiet_step
     assert steady.step_s == pytest.approx(0.6) and steady.cost_s == pytest.approx(0.3) and steady.interval == 10
 
 
+def test_a_save_forced_before_the_profiling_window_does_not_keep_its_warm_up():
+    """save(force=True) right after the first save comes before any quiet step: the profiling
+    window's steps are marked at the next save instead, and forgotten as in any job. A fixed
+    interval has no profiling window, and its report keeps every quiet step it measured."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+    for forced in (True, False):   # the first save, then one forced at its settling step
+        c.started(step, stall_s=0.0)
+        step += 1
+        t = _feed(c, [step], t, 0.9 + (1.0 if forced else 0.3))
+        c.durable(background_s=0.9)
+        step += 1
+        t = _feed(c, [step], t, 0.9)   # settling
+    made = 0
+    while made < 8:
+        step += 1
+        t = _feed(c, [step], t, 0.9 if made == 0 else 0.6)   # the warm-up lasts until the next save
+        if c.due(step, in_flight=False):
+            c.started(step, stall_s=0.0)
+            made += 1
+            step += 1
+            t = _feed(c, [step], t, 0.9)
+            c.durable(background_s=0.6)
+    assert c.step_s == pytest.approx(0.6)
+    fixed = Cadence(3)
+    fixed.observe_call(0, 0.0)
+    t = 0.0
+    for step in range(1, 30):
+        t = _feed(fixed, [step], t, 0.9 if step < 10 else 0.6)
+        if fixed.due(step, in_flight=False):
+            fixed.started(step, stall_s=0.0)
+            fixed.durable(background_s=0.1)
+    assert fixed.step_s > 0.65   # its first quiet steps (0.9 s) still in the mean
+
+
 def test_the_interval_leaves_quiet_steps_after_each_flight_and_settling_step():
     """A cheap save that is in flight for 3 steps: the interval is its flight + SETTLE + 1, so the
     baseline is refreshed by a quiet step after every save, never measured on the save's tail."""
