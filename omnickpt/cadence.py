@@ -183,7 +183,7 @@ class Cadence:
         # Steps run while the next save's staging warms (warming()): that save's, not quiet ones.
         self._pre: _Flight | None = None
         self._warm_pending = False   # warming() was told: the steps after the open save closes go to _pre
-        # The quiet steps measured before the second save (the profiling window's, early in the
+        # The quiet steps measured before "auto"'s second save (the profiling window's, early in the
         # process: its warm-up) are the window's oldest `_provisional` ones until PROFILE_STEPS
         # quiet steps after them are measured (`_since_profile`); then they are forgotten.
         self._provisional = 0
