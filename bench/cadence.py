@@ -128,16 +128,11 @@ def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pa
         for k in range(pairs):
             n = dist_all(n_of())[0]     # rank 0's: every rank runs the same steps
             rep = mgr.cadence_report()
-            if quiet_first(k):
-                quiet_s, quiet_n, _ = run_round(n)
-                quiet_trace = list(trace)
-                busy_s, busy_n, saves = run_round(n, mgr)
-                busy_trace = list(trace)
-            else:
-                busy_s, busy_n, saves = run_round(n, mgr)
-                busy_trace = list(trace)
-                quiet_s, quiet_n, _ = run_round(n)
-                quiet_trace = list(trace)
+            rounds = {}
+            for saving in ((False, True) if quiet_first(k) else (True, False)):
+                rounds[saving] = (run_round(n, mgr if saving else None), list(trace))
+            (quiet_s, quiet_n, _), quiet_trace = rounds[False]
+            (busy_s, busy_n, saves), busy_trace = rounds[True]
             end = mgr.cadence_report()
             base = quiet_s / quiet_n
             out.append({"n": n, "without_first": quiet_first(k), "without_s_per_step": base, "with_s": busy_s,

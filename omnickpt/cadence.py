@@ -185,9 +185,9 @@ class Cadence:
         self._warm_pending = False   # warming() was told: the steps after the open save closes go to _pre
         # The quiet steps measured before "auto"'s second save (the profiling window's, early in the
         # process: its warm-up) are the window's oldest `_provisional` ones until PROFILE_STEPS
-        # quiet steps after them are measured (`_since_profile`); then they are forgotten.
+        # quiet steps after them are in the window too; then they are forgotten.
         self._provisional = 0
-        self._since_profile: int | None = None   # None until the second save starts
+        self._warm_up_marked = False   # the second save marked them (once per process)
         self.quiet_since_save = 0    # quiet steps measured since the last save started
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
@@ -222,10 +222,8 @@ class Cadence:
                 self._provisional -= 1   # the append pushes the oldest out
             self._quiet.append(seconds / steps)
             self.quiet_since_save += 1
-            if self._since_profile is not None and self._provisional:
-                self._since_profile += 1
-                if self._since_profile >= PROFILE_STEPS:
-                    self._forget_warm_up()
+            if self._provisional and len(self._quiet) - self._provisional >= PROFILE_STEPS:
+                self._forget_warm_up()
             return
         f.seconds += seconds
         f.steps += steps
@@ -260,10 +258,10 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
-        if self.every == "auto" and self._since_profile is None and self._first is not None and self._quiet:
+        if self.every == "auto" and not self._warm_up_marked and self._first is not None and self._quiet:
             # "auto"'s first save after the first with quiet steps before it (its second, unless one was
             # forced before any quiet step): the quiet steps so far were measured early in the process
-            self._provisional, self._since_profile = len(self._quiet), 0
+            self._provisional, self._warm_up_marked = len(self._quiet), True
         pre, self._pre, self._warm_pending = self._pre, None, False
         self.quiet_since_save = 0
         if pre is not None:   # the steps since its staging began to warm are this save's too
