@@ -37,7 +37,8 @@ would: every step that a save affected against the baseline step time.
     overhead(k) = cost / (k * baseline)          for a save every k steps
 
 "auto" picks the smallest k with overhead(k) <= max_overhead and k >= (steps in flight) + SETTLE + 1
-(one quiet step at least after each save, to keep the baseline fresh), capped by max_interval.
+(one quiet step at least after each save, to keep the baseline fresh; in whole calls where save() is
+called every few steps: one quiet call), capped by max_interval.
 The cost is the mean over the recent saves: training loses the sum of the saves' costs, which a
 stopwatch sees, and saves' costs are skewed (most cost little, the one that meets a busy disk or an
 optimizer step much more), so a median under-reported them (mlp/ddp in bench/cadence.py: +4.9%
@@ -176,6 +177,7 @@ class Cadence:
         check_cadence(every, max_overhead, max_interval)
         self.every, self.max_overhead, self.max_interval = every, float(max_overhead), max_interval
         self._last_call: tuple[int, float] | None = None
+        self._call_steps: deque[int] = deque(maxlen=_WINDOW)   # steps between recent save() calls
         self._quiet: deque[float] = deque(maxlen=_WINDOW)      # seconds per quiet step
         self._open: _Flight | None = None                      # the save whose affected steps run now
         self._saves: deque[_Flight] = deque(maxlen=_WINDOW)    # closed: every affected step measured
@@ -204,6 +206,7 @@ class Cadence:
         if self._last_call is not None:
             prev_step, prev_t = self._last_call
             if step > prev_step and now > prev_t:
+                self._call_steps.append(step - prev_step)
                 self._count(now - prev_t, step - prev_step)
         self._last_call = (step, now)
 
@@ -365,7 +368,16 @@ class Cadence:
         # the stall is measured directly: noise can make the mean cost smaller, not the save cheaper
         return choose_interval(m["step"], max(m["cost"], m["stall"]), 0.0, max_overhead=self.max_overhead,
                                max_interval=self.max_interval,
-                               min_interval=min(self.max_interval, math.ceil(m["flight"]) + SETTLE + 1))
+                               min_interval=min(self.max_interval, self._min_interval(m["flight"])))
+
+    def _min_interval(self, flight: float) -> int:
+        """The shortest interval that leaves one quiet *call* after a save's flight and settling: a
+        loop that calls save() every c steps settles in whole calls and measures quiet steps a call
+        at a time, so flight + SETTLE + 1 steps left it none (every call after a save was in flight
+        or settling, the baseline was never refreshed, and the profiling window's warm-up steps were
+        kept for good); with c = 1 the same."""
+        c = max(1, math.ceil(statistics.median(self._call_steps))) if self._call_steps else 1
+        return math.ceil(flight) + (math.ceil(SETTLE / c) + 1) * c
 
     def steps_until_due(self, step: int) -> int | None:
         """Calls from `step` (a call not due) until the next due one, as due() would decide them

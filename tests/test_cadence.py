@@ -130,6 +130,38 @@ def test_the_profiling_windows_warm_up_steps_are_forgotten_once_later_quiet_step
     assert steady.step_s == pytest.approx(0.6) and steady.cost_s == pytest.approx(0.3) and steady.interval == 10
 
 
+def test_a_loop_that_calls_save_every_few_steps_keeps_a_quiet_call_after_each_save():
+    """save() called every 3 steps: a save's flight and settling end on whole calls, so an interval of
+    flight + SETTLE + 1 steps left no quiet call between saves. The baseline was then never refreshed:
+    the profiling window's slow warm-up steps stayed in it, the saves measured against them cost less
+    than nothing, and the interval stayed at that minimum for good. Now each interval leaves a quiet
+    call, the warm-up is forgotten, and the cost is measured against the steps since."""
+    per, c = 3, Cadence("auto", max_overhead=0.05)
+    t, step, made, quiet_between, saved = 0.0, 0, 0, [], []
+    c.observe_call(step, t)
+    c.started(step, stall_s=0.0)
+    step, t = step + per, t + per * 0.9 + 1.0
+    c.observe_call(step, t)
+    c.durable(background_s=1.0)
+    while made < 10:
+        step, t = step + per, t + per * (0.9 if made == 0 else 0.6)
+        c.observe_call(step, t)
+        if c.due(step, in_flight=False):
+            quiet_between.append(c.quiet_since_save)
+            saved.append(step)
+            c.started(step, stall_s=0.0)
+            made += 1
+            step, t = step + per, t + per * 0.6 + 0.3    # the save's extra 0.3 s, durable within the call
+            c.observe_call(step, t)
+            c.durable(background_s=0.6)
+    assert min(quiet_between) >= 1
+    rep = c.report()
+    assert rep.step_s == pytest.approx(0.6)
+    assert rep.cost_s == pytest.approx(0.3)
+    assert rep.interval == 10   # 0.3 / (0.05 * 0.6)
+    assert saved[-1] - saved[-2] == 12   # the first call 10 steps or more after the last save
+
+
 def test_a_save_forced_before_the_profiling_window_does_not_keep_its_warm_up():
     """save(force=True) right after the first save comes before any quiet step: the profiling
     window's steps are marked at the next save instead, and forgotten as in any job. A fixed
