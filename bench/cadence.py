@@ -75,6 +75,29 @@ def pair_overhead(quiet_s: float, quiet_steps: int, busy_s: float, busy_steps: i
     return (busy_s - busy_steps * base) / (n * base)
 
 
+def by_position(pairs: list[dict]) -> dict[int, float]:
+    """Where the saves' cost lands: each with-round step's time against its pair's round without saves,
+    by the step's place after the last save started (0: the step whose save() call started it), as the
+    mean ratio less 1; the steps before a round's first save are left out. The cadence's baseline is its
+    quiet steps, the ones after a save's flight and settling step: when those are still slower than the
+    round without saves, the report is below the stopwatch by that much a step."""
+    at: dict[int, list[float]] = {}
+    for p in pairs:
+        k = None
+        for seconds, saved in p["trace_with"]:
+            k = 0 if saved else (None if k is None else k + 1)
+            if k is not None:
+                at.setdefault(k, []).append(seconds / p["without_s_per_step"])
+    return {k: statistics.fmean(v) - 1 for k, v in sorted(at.items())}
+
+
+def baseline_bias(pairs: list[dict]) -> float | None:
+    """The cadence's baseline at each with-round's end against the pair's round without saves (the median
+    over pairs of the ratio, less 1): above 0, the report counts that part of every step as no save's."""
+    ratios = [p["report_step_s"] / p["without_s_per_step"] for p in pairs if p["report_step_s"]]
+    return statistics.median(ratios) - 1 if ratios else None
+
+
 def _worker(rank: int, world: int, root: str, name: str, max_overhead: float, pairs: int, min_steps: int,
             control_every: int, warmup_max: int, warmup_saves: int = 2):
     import torch.distributed as dist
@@ -230,6 +253,12 @@ def main(argv=None) -> int:
         print(f"{name:<10} median of {len(runs)}: reported {pct(summary['reported'])} (for the rounds "
               f"{pct(summary['reported_round'])}), outside {pct(summary['outside'])}, control "
               f"{pct(summary['control_outside'])}", flush=True)
+        pos = by_position([p for r in runs for p in r["auto"]])
+        bias = [b for b in (baseline_bias(r["auto"]) for r in runs) if b is not None]
+        summary["by_position"], summary["baseline_bias"] = pos, (med(bias) if bias else None)
+        print(f"{name:<10} steps after a save against the rounds without saves: "
+              + ", ".join(f"{k}: {pct(v)}" for k, v in list(pos.items())[:8])
+              + f"; the cadence's baseline {pct(summary['baseline_bias'])}", flush=True)
         doc["results"][name] = {"runs": runs, "median": summary}
         with open(os.path.join(HERE, "out", "cadence.json"), "w") as fh:
             json.dump(doc, fh, indent=1)

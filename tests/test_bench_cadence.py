@@ -32,3 +32,17 @@ def test_the_round_without_saves_runs_first_in_every_other_pair():
         pairs.append(bench.pair_overhead(quiet, 10, busy, 10, 10))
     assert pairs[0] > 0.05 and pairs[1] < -0.05   # each pair alone is off by the drift
     assert sum(pairs) / 2 == pytest.approx(0.0, abs=0.02)
+
+
+def test_the_steps_after_a_save_are_placed_against_the_round_without_saves():
+    """A with-round whose saves slow the step after their call by 20% and the next by 10%, with the
+    cadence's baseline 5% above the round without saves: by_position says where the cost landed,
+    baseline_bias how far the cadence's quiet steps sit above the stopwatch's."""
+    bench = bench_module("cadence")
+    trace = [(1.0, False), (1.0, True), (1.2, False), (1.1, False), (1.0, True), (1.2, False), (1.1, False)]
+    pair = {"trace_with": trace, "without_s_per_step": 1.0, "report_step_s": 1.05}
+    pos = bench.by_position([pair, {**pair, "without_s_per_step": 2.0,
+                                    "trace_with": [(2 * t, s) for t, s in trace]}])
+    assert pos == pytest.approx({0: 0.0, 1: 0.2, 2: 0.1})   # the step before the first save left out
+    assert bench.baseline_bias([pair]) == pytest.approx(0.05)
+    assert bench.baseline_bias([{**pair, "report_step_s": None}]) is None
