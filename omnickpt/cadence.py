@@ -30,8 +30,9 @@ would: every step that a save affected against the baseline step time.
   overlaps, which count as the save's affected steps rather than quiet ones.
 - The **affected steps** of a save are the steps from its call until it is durable (the first one
   holds its stall) plus the settling step(s). Its **cost** is their time minus as many baseline
-  steps, the baseline of the quiet steps just before it (the machine's speed drifts from minute to
-  minute). The interference is that cost less the stall; the interval never uses a cost below the
+  steps, the baseline of the quiet steps around it: the last ones before it and the first ones
+  after (the machine's speed drifts from minute to minute, and on both sides a drift one way
+  cancels, as in bench/cadence.py's alternating rounds). The interference is that cost less the stall; the interval never uses a cost below the
   stall, which is measured directly.
 
     overhead(k) = cost / (k * baseline)          for a save every k steps
@@ -75,14 +76,14 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MODES = ("auto", "continuous")
 _WINDOW = 16   # recent measurements kept (quiet steps, saves)
 MAX_BACKOFF = 8   # after failed saves in a row, attempts at most this many intervals apart
 SETTLE = 1        # steps after a save became durable that still count as affected by it
 PROFILE_STEPS = 4  # quiet steps measured before "auto" chooses its first interval
-_LOCAL = 8         # the quiet steps just before a save that are its baseline
+_LOCAL = 8         # the quiet steps around a save that are its baseline (up to half of them after it)
 
 
 # How fast a background thread faults fresh host memory in beside training (bytes per second), until
@@ -156,7 +157,10 @@ class CadenceReport:
 class _Flight:
     """One save's affected steps, accumulated call by call."""
     stall: float
-    base: float | None = None  # the baseline when it started (the quiet steps just before it)
+    # the quiet steps around it, each as (its number among the quiet steps, seconds): the _LOCAL just
+    # before it, and the first _LOCAL // 2 after it as they come
+    before: tuple[tuple[int, float], ...] = ()
+    after: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0      # time of the affected steps (between save() calls)
     steps: int = 0
     flight_steps: int = 0     # of which until durable
@@ -190,6 +194,9 @@ class Cadence:
         # quiet steps after them are in the window too; then they are forgotten.
         self._provisional = 0
         self._warm_up_marked = False   # the second save marked them (once per process)
+        self._seen = 0         # quiet steps measured so far (each one's number: _Flight.before, .after)
+        self._mark_seen = 0    # ... when the second save marked the warm-up
+        self._forgotten = 0    # quiet steps numbered below this are the forgotten warm-up
         self.quiet_since_save = 0    # quiet steps measured since the last save started
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
         self.failures = 0                     # failed attempts in a row
@@ -214,8 +221,7 @@ class Cadence:
         f = self._open
         if f is None and self._warm_pending:
             if self._pre is None:
-                recent = list(self._quiet)[-_LOCAL:]
-                self._pre = _Flight(stall=0.0, base=statistics.fmean(recent) if recent else None)
+                self._pre = _Flight(stall=0.0, before=self._recent())
             self._pre.seconds += seconds
             self._pre.steps += steps
             self._pre.coarse = self._pre.coarse or steps > 1
@@ -225,6 +231,10 @@ class Cadence:
                 self._provisional -= 1   # the append pushes the oldest out
             self._quiet.append(seconds / steps)
             self.quiet_since_save += 1
+            for f in self._saves:
+                if len(f.after) < _LOCAL // 2:
+                    f.after.append((self._seen, seconds / steps))
+            self._seen += 1
             if self._provisional and len(self._quiet) - self._provisional >= PROFILE_STEPS:
                 self._forget_warm_up()
             return
@@ -240,14 +250,15 @@ class Cadence:
 
     def _forget_warm_up(self) -> None:
         """PROFILE_STEPS quiet steps were measured after the second save: the profiling window's go,
-        and the saves measured against them (closed ones: none is open or warming at a quiet step)
-        are measured against the baseline of each later report instead (the mean of the window, no
-        longer holding the warm-up: steadier than the few quiet steps since the second save)."""
+        from the window and from the quiet steps around each save (_local_base). The saves measured
+        against them are measured against the quiet steps after them instead (the second save's
+        are PROFILE_STEPS at least by now), or, with none, the baseline of each later report. (The
+        window's mean at a later report was the rule until the fifteenth session: in a process still
+        speeding up, it charged the second save for the drift of every step since.)"""
         for _ in range(self._provisional):
             self._quiet.popleft()
         self._provisional = 0
-        for f in self._saves:
-            f.base = None
+        self._forgotten = self._mark_seen
 
     def _close(self) -> None:
         if self._open is not None and self._open.steps > 0:
@@ -264,14 +275,13 @@ class Cadence:
         if self.every == "auto" and not self._warm_up_marked and self._first is not None and self._quiet:
             # "auto"'s first save after the first with quiet steps before it (its second, unless one was
             # forced before any quiet step): the quiet steps so far were measured early in the process
-            self._provisional, self._warm_up_marked = len(self._quiet), True
+            self._provisional, self._warm_up_marked, self._mark_seen = len(self._quiet), True, self._seen
         pre, self._pre, self._warm_pending = self._pre, None, False
         self.quiet_since_save = 0
         if pre is not None:   # the steps since its staging began to warm are this save's too
             self._open = dataclasses.replace(pre, stall=max(stall_s, 0.0))
         else:
-            recent = list(self._quiet)[-_LOCAL:]
-            self._open = _Flight(stall=max(stall_s, 0.0), base=statistics.fmean(recent) if recent else None)
+            self._open = _Flight(stall=max(stall_s, 0.0), before=self._recent())
         self._last_saved = step
 
     def warming(self) -> None:
@@ -327,11 +337,27 @@ class Cadence:
         return (self._first is not None and self._first.background is not None and not self._saves
                 and self._open is None and len(self._quiet) >= PROFILE_STEPS)
 
+    def _recent(self) -> tuple[tuple[int, float], ...]:
+        """The last _LOCAL quiet steps, numbered."""
+        recent = list(self._quiet)[-_LOCAL:]
+        return tuple(zip(range(self._seen - len(recent), self._seen), recent))
+
+    def _local_base(self, f: _Flight) -> float | None:
+        """The quiet steps around a save: the first _LOCAL // 2 after it as they come, and as many of
+        those just before it as make _LOCAL. On both sides, as bench/cadence.py alternates its rounds:
+        a machine whose speed drifts one way (a process speeding up through its first hundred steps:
+        gpt/fsdp2 1.48 -> 1.03 s a step) made a baseline of the steps before each save too slow, and
+        the cost too low, by the drift over half the window."""
+        after = [s for n, s in f.after if n >= self._forgotten]
+        around = after + [s for n, s in f.before if n >= self._forgotten][len(after) - _LOCAL:]
+        return statistics.fmean(around) if around else None
+
     def _cost(self, f: _Flight, base: float) -> float:
-        """A save's cost: its affected steps' time less as many steps of the quiet steps just before
-        it (of `base`, the baseline now, for a save that had none before it, or whose quiet steps
-        were the profiling window's: _forget_warm_up)."""
-        return f.seconds - (f.base if f.base is not None else base) * f.steps
+        """A save's cost: its affected steps' time less as many steps of the quiet steps around it
+        (of `base`, the baseline now, for a save with none, or whose quiet steps were the profiling
+        window's: _forget_warm_up)."""
+        local = self._local_base(f)
+        return f.seconds - (local if local is not None else base) * f.steps
 
     def _figures(self) -> dict | None:
         """What the interval is chosen from: the baseline and the cost per save as means (a stopwatch
@@ -347,9 +373,9 @@ class Cadence:
         # saves measured step by step, when there are any (see the module's docstring: calls that skip steps)
         done = [f for f in done if not f.coarse] or done
         med = statistics.median
-        # each save against the quiet steps just before it (the machine's speed drifts: a baseline
-        # from other minutes made single costs swing by a step's time); the first, which had none
-        # before it, against the baseline now
+        # each save against the quiet steps around it (the machine's speed drifts: a baseline
+        # from other minutes made single costs swing by a step's time); a save with none (the
+        # first, at a job's start), against the baseline now
         # the mean: training loses the sum of the costs (see the module's docstring)
         cost = statistics.fmean(self._cost(f, base) for f in done)
         stall = med(f.stall for f in done)

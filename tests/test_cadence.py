@@ -280,8 +280,36 @@ def test_skewed_step_times_do_not_charge_their_slow_steps_to_the_saves(cost):
         c.durable(background_s=1.0)
         run(SETTLE)
     rep = c.report()
-    assert rep.step_s == pytest.approx(0.6) and rep.cost_s == pytest.approx(cost, abs=1e-9)
-    assert c.interval() == max(math.ceil(cost / (0.05 * 0.6) - 1e-9), 2 + SETTLE + 1)
+    # within 0.02 s: the quiet steps around a save (the last before it, the first after) are not one
+    # whole turn of the pattern, as the 8 just before it were; the median's error was 0.3 s
+    assert rep.step_s == pytest.approx(0.6) and rep.cost_s == pytest.approx(cost, abs=0.02)
+    assert c.interval() == max(math.ceil(rep.cost_s / (0.05 * 0.6) - 1e-9), 2 + SETTLE + 1)
+
+
+def test_a_machine_speeding_up_does_not_make_the_saves_look_cheaper():
+    """A process that speeds up through its first hundreds of steps (gpt/fsdp2 in bench/cadence.py:
+    1.48 -> 1.03 s a step), each save adding 0.3 s to the step after its call. Measured against the
+    quiet steps just before each save, which ran slower than its affected steps, a save cost 0.2 s;
+    against the quiet steps on both sides, as the bench's alternating rounds measure it, 0.3 s."""
+    c = Cadence("auto", max_overhead=0.05)
+    t, step = 0.0, 0
+    c.observe_call(step, t)
+
+    def run(steps: int, extra: float = 0.0) -> None:
+        nonlocal t, step
+        for _ in range(steps):
+            step += 1
+            t += 1.5 - 0.005 * step + extra
+            c.observe_call(step, t)
+    for _ in range(17):
+        run(8)
+        c.started(step, stall_s=0.0)
+        run(1, 0.3)
+        run(1)
+        c.durable(background_s=1.0)
+        run(SETTLE)
+    run(_LOCAL // 2)   # the last save's quiet steps after it
+    assert c.report().cost_s == pytest.approx(0.3, abs=0.01)
 
 
 def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
@@ -306,7 +334,7 @@ def test_each_save_is_measured_against_the_quiet_steps_just_before_it():
     step += 1
     t = _feed(c, [step], t, 1.0)
     want = round(0.1 * (1 + SETTLE), 6)
-    assert [round(f.seconds - f.base * f.steps, 6) for f in [c._first, *c._saves]] == [want, want]
+    assert [round(c._cost(f, math.nan), 6) for f in [c._first, *c._saves]] == [want, want]
     assert c.report().cost_s == pytest.approx(want) and c.report().first_cost_s == pytest.approx(want)
     c2 = Cadence("auto", max_overhead=0.05)
     c2.observe_call(0, 0.0)
