@@ -348,8 +348,10 @@ class Cadence:
         a machine whose speed drifts one way (a process speeding up through its first hundred steps:
         gpt/fsdp2 1.48 -> 1.03 s a step) made a baseline of the steps before each save too slow, and
         the cost too low, by the drift over half the window."""
-        after = [s for n, s in f.after if n >= self._forgotten]
-        around = after + [s for n, s in f.before if n >= self._forgotten][len(after) - _LOCAL:]
+        # the first save ran in the warm-up itself: its quiet steps are kept
+        cut = 0 if f is self._first else self._forgotten
+        after = [s for n, s in f.after if n >= cut]
+        around = after + [s for n, s in f.before if n >= cut][len(after) - _LOCAL:]
         return statistics.fmean(around) if around else None
 
     def _cost(self, f: _Flight, base: float) -> float:
@@ -394,16 +396,18 @@ class Cadence:
         # the stall is measured directly: noise can make the mean cost smaller, not the save cheaper
         return choose_interval(m["step"], max(m["cost"], m["stall"]), 0.0, max_overhead=self.max_overhead,
                                max_interval=self.max_interval,
-                               min_interval=min(self.max_interval, self._min_interval(m["flight"])))
+                               min_interval=min(self.max_interval, self._min_interval(m["flight"], m["affected"])))
 
-    def _min_interval(self, flight: float) -> int:
+    def _min_interval(self, flight: float, affected: float) -> int:
         """The shortest interval that leaves one quiet *call* after a save's flight and settling: a
         loop that calls save() every c steps settles in whole calls and measures quiet steps a call
         at a time, so flight + SETTLE + 1 steps left it none (every call after a save was in flight
         or settling, the baseline was never refreshed, and the profiling window's warm-up steps were
-        kept for good); with c = 1 the same."""
+        kept for good); with c = 1 the same. c is the median of the recent calls' steps, and calls
+        spaced unevenly (4, 1, 1, ...) can settle in a long one: the steps saves were seen to affect
+        (in whole calls) and one call more bound it too."""
         c = max(1, math.ceil(statistics.median(self._call_steps))) if self._call_steps else 1
-        return math.ceil(flight) + (math.ceil(SETTLE / c) + 1) * c
+        return max(math.ceil(flight) + (math.ceil(SETTLE / c) + 1) * c, math.ceil(affected) + c)
 
     def steps_until_due(self, step: int) -> int | None:
         """Calls from `step` (a call not due) until the next due one, as due() would decide them
