@@ -29,8 +29,10 @@ it used). The interval moves within a round as each save is measured (9 -> 8 ste
 18 steps then holds 3 saves, not 2), so beside it "for the round": the report's cost per save at
 the round's end x the saves the round made / (n x its baseline), the report's claim for exactly
 the saves the stopwatch timed. Each step's seconds (the save() call included) are kept in
-bench/out/cadence.json ("trace_with", "trace_without"). Per workload: medians over `--runs` runs.
-mlp's save is in flight longer than a step. Results: bench/out/cadence.json.
+bench/out/cadence.json ("trace_with", "trace_without"). Per workload: medians over `--runs` runs, and
+where the saves' cost landed (each with-round step by its place after a save, against the round
+without saves) beside how far the cadence's baseline sat above that round.
+mlp's save is in flight longer than a step. Results: bench/out/cadence.json (`--out` for another file).
 """
 from __future__ import annotations
 
@@ -210,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-max", type=int, default=60, help="most steps of the warm-up")
     ap.add_argument("--warmup-saves", type=int, default=2,
                     help="saves made before the rounds (17: the first save has left the cadence's window)")
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "cadence.json"),
+                    help="where the results and every step's trace go (one file per invocation)")
     args = ap.parse_args(argv)
     doc = {"max_overhead": args.max_overhead, "runs": args.runs, "pairs": args.pairs, "warmup_saves": args.warmup_saves,
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg(), "results": {}}
@@ -222,6 +226,7 @@ def main(argv=None) -> int:
           f"{'cost s':>7} {'reported':>8} {'for the round':>13} {'outside':>8}  "
           f"{'control (every ' + str(args.control_every) + ')':>20}")
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for name in args.workloads.split(","):
         runs = []
         for r in range(args.runs):
@@ -260,7 +265,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{k}: {pct(v)}" for k, v in list(pos.items())[:8])
               + f"; the cadence's baseline {pct(summary['baseline_bias'])}", flush=True)
         doc["results"][name] = {"runs": runs, "median": summary}
-        with open(os.path.join(HERE, "out", "cadence.json"), "w") as fh:
+        with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)
     return 0
 
