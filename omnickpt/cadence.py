@@ -32,8 +32,8 @@ would: every step that a save affected against the baseline step time.
   holds its stall) plus the settling step(s). Its **cost** is their time minus as many baseline
   steps, the baseline of the quiet steps around it: the last ones before it and the first ones
   after (the machine's speed drifts from minute to minute, and on both sides a drift one way
-  cancels, as in bench/cadence.py's alternating rounds). The interference is that cost less the stall; the interval never uses a cost below the
-  stall, which is measured directly.
+  cancels, as in bench/cadence.py's alternating rounds). The interference is that cost less the
+  stall; the interval never uses a cost below the stall, which is measured directly.
 
     overhead(k) = cost / (k * baseline)          for a save every k steps
 
