@@ -192,10 +192,8 @@ class Cadence:
         # The quiet steps measured before "auto"'s second save (the profiling window's, early in the
         # process: its warm-up) are the window's oldest `_provisional` ones until PROFILE_STEPS
         # quiet steps after them are in the window too; then they are forgotten.
-        self._provisional = 0
-        self._warm_up_marked = False   # the second save marked them (once per process)
         self._seen = 0         # quiet steps measured so far (each one's number: _Flight.before, .after)
-        self._mark_seen = 0    # ... when the second save marked the warm-up
+        self._mark_seen = 0    # ... when the second save marked the warm-up (0: not marked yet)
         self._forgotten = 0    # quiet steps numbered below this are the forgotten warm-up
         self.quiet_since_save = 0    # quiet steps measured since the last save started
         self._last_saved: int | None = None   # the step of the last attempt, failed or not
@@ -227,15 +225,13 @@ class Cadence:
             self._pre.coarse = self._pre.coarse or steps > 1
             return
         if f is None:
-            if self._provisional and len(self._quiet) == self._quiet.maxlen:
-                self._provisional -= 1   # the append pushes the oldest out
             self._quiet.append(seconds / steps)
             self.quiet_since_save += 1
             for f in self._saves:
                 if len(f.after) < _LOCAL // 2:
                     f.after.append((self._seen, seconds / steps))
             self._seen += 1
-            if self._provisional and len(self._quiet) - self._provisional >= PROFILE_STEPS:
+            if self._provisional and self._seen - self._mark_seen >= PROFILE_STEPS:
                 self._forget_warm_up()
             return
         f.seconds += seconds
@@ -257,7 +253,6 @@ class Cadence:
         speeding up, it charged the second save for the drift of every step since.)"""
         for _ in range(self._provisional):
             self._quiet.popleft()
-        self._provisional = 0
         self._forgotten = self._mark_seen
 
     def _close(self) -> None:
@@ -272,10 +267,10 @@ class Cadence:
         """A save started at `step` (after its stall): the steps from its call on are its own. A save
         still settling is closed (a new save in its settling step takes that step's time)."""
         self._close()
-        if self.every == "auto" and not self._warm_up_marked and self._first is not None and self._quiet:
+        if self.every == "auto" and not self._mark_seen and self._first is not None and self._quiet:
             # "auto"'s first save after the first with quiet steps before it (its second, unless one was
             # forced before any quiet step): the quiet steps so far were measured early in the process
-            self._provisional, self._warm_up_marked, self._mark_seen = len(self._quiet), True, self._seen
+            self._mark_seen = self._seen   # > 0: the window holds a quiet step
         pre, self._pre, self._warm_pending = self._pre, None, False
         self.quiet_since_save = 0
         if pre is not None:   # the steps since its staging began to warm are this save's too
@@ -336,6 +331,14 @@ class Cadence:
         PROFILE_STEPS quiet steps since, and no other save has started yet: the second one is due."""
         return (self._first is not None and self._first.background is not None and not self._saves
                 and self._open is None and len(self._quiet) >= PROFILE_STEPS)
+
+    @property
+    def _provisional(self) -> int:
+        """The window's oldest quiet steps that the second save marked as the warm-up's, not forgotten
+        yet (they leave as the window moves on, or all at once in _forget_warm_up)."""
+        if self._forgotten:
+            return 0
+        return max(0, self._mark_seen - (self._seen - len(self._quiet)))
 
     def _recent(self) -> tuple[tuple[int, float], ...]:
         """The last _LOCAL quiet steps, numbered."""
