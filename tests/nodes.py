@@ -228,10 +228,17 @@ class Cluster:
         return [p.returncode for p in procs]
 
     def logs(self, procs: Sequence[subprocess.Popen], tail: int = 6000) -> str:
+        """Each log's last `tail` characters, then the start of any native crash report in it
+        (faulthandler's) that the tail cut off: its first lines name the crashing thread, and come
+        last so that a shortened CI log still shows them."""
         out = []
         for p in procs:
             with open(p.log, "rb") as f:
-                out.append(f"--- {p.log} (rc {p.poll()}) ---\n" + f.read().decode(errors="replace")[-tail:])
+                text = f.read().decode(errors="replace")
+            crash = text.find("Fatal Python error")
+            head = (f"\n--- {p.log}: the start of its crash report ---\n" + text[crash:crash + 3000]
+                    if 0 <= crash < len(text) - tail else "")
+            out.append(f"--- {p.log} (rc {p.poll()}) ---\n" + text[-tail:] + head)
         return "\n".join(out)
 
     def _kill_ns(self, k: int) -> None:

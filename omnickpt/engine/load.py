@@ -233,8 +233,7 @@ def _fetch_compressed(storage: Storage, manifest: Manifest, ext: _Extent, items:
         for p in pieces:
             unpack(p)
     else:
-        for f in [executor.submit(unpack, p) for p in pieces]:
-            f.result()
+        run_all(executor, unpack, [(p,) for p in pieces])
     return hi - lo
 
 
@@ -283,8 +282,7 @@ def _read_direct(storage: Storage, manifest: Manifest, direct: list[tuple[int, _
         for r in requests:
             fetch(*r)
     else:
-        for f in [executor.submit(fetch, *r) for r in requests]:
-            f.result()
+        run_all(executor, fetch, requests)
 
 
 def _chunks_to_check(ext: _Extent, items: Sequence[ReadItem]) -> tuple[list[int], list[int], list[int], list[_Need]]:
@@ -566,8 +564,8 @@ def _fetch_packed(storage: Storage, manifest: Manifest, packed: list[_Extent], i
     if executor is None or len(small) <= 1:
         read_bytes = sum(_fetch_compressed(storage, manifest, e, items, verify, None) for e in small)
     else:
-        read_bytes = sum(f.result() for f in [executor.submit(_fetch_compressed, storage, manifest, e, items,
-                                                              verify, None) for e in small])
+        read_bytes = sum(run_all(executor, _fetch_compressed,
+                                 [(storage, manifest, e, items, verify, None) for e in small]))
     read_bytes += sum(_fetch_compressed(storage, manifest, e, items, verify, executor) for e in large)
     return read_bytes
 
@@ -656,8 +654,7 @@ def land_tensors(storage: Storage, manifest: Manifest, items: Sequence[ReadItem]
             # copy_ and memmove release the GIL: large batches are copied on the I/O threads, one extent each.
             large = executor is not None and sum(e.end - e.start for e in batch) >= _PARALLEL_BYTES
             if large and len(batch) > 1:
-                for f in [executor.submit(way.put, ext, None) for ext in batch]:
-                    f.result()
+                run_all(executor, way.put, [(ext, None) for ext in batch])
             else:
                 for ext in batch:   # one large extent spreads its copies over the threads itself
                     way.put(ext, executor if large else None)
@@ -1081,8 +1078,7 @@ def _memmoves(dst: list[int], src: list[int], sizes: list[int], executor: Execut
         for d0, s0, nb in pieces[k::tasks]:
             copy_bytes(d0, s0, nb)
 
-    for f in [executor.submit(run, k) for k in range(tasks)]:
-        f.result()
+    run_all(executor, run, [(k,) for k in range(tasks)])
 
 
 def _typed(ext: _Extent, dtype: torch.dtype, typed: dict) -> torch.Tensor:

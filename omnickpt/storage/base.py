@@ -63,18 +63,24 @@ class Storage(Protocol):
         """A human-readable location for error messages."""
 
 
-def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> None:
-    """fn(*args) for every args of `calls` on `executor`. On the first failure the calls not started
-    are cancelled and the running ones awaited before its error is raised: none may still be
-    writing into a buffer or a file descriptor the caller frees when this returns."""
+def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> list:
+    """[fn(*args) for args in calls], run on `executor`. On the first failure the calls not started
+    are cancelled and the running ones awaited before its error is raised, and so they are when the
+    waiting thread itself is interrupted (KeyboardInterrupt, a signal handler's exception): none
+    may still be writing into a buffer, an address or a file descriptor the caller frees when this
+    returns (a memmove between raw addresses into freed memory corrupts the heap, and the process
+    crashes later somewhere else)."""
     futures = [executor.submit(fn, *args) for args in calls]
-    wait(futures, return_when=FIRST_EXCEPTION)
-    for f in futures:
-        f.cancel()
-    wait(futures)
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        for f in futures:
+            f.cancel()
+        wait(futures)
     for f in futures:
         if not f.cancelled() and f.exception() is not None:
             raise f.exception()
+    return [f.result() for f in futures]
 
 
 # Helpers for backends that upload or stream a file assembled from segments.
