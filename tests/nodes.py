@@ -236,7 +236,7 @@ class Cluster:
             with open(p.log, "rb") as f:
                 text = f.read().decode(errors="replace")
             crash = text.find("Fatal Python error")
-            head = (f"\n--- {p.log}: the start of its crash report ---\n" + text[crash:crash + 3000]
+            head = (f"\n--- {p.log}: the start of its crash report ---\n" + text[crash:crash + 1500]
                     if 0 <= crash < len(text) - tail else "")
             out.append(f"--- {p.log} (rc {p.poll()}) ---\n" + text[-tail:] + head)
         return "\n".join(out)
