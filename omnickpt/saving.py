@@ -208,8 +208,14 @@ class _SaveJob:
             # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
             # written from their own memory stay fenced until written (save() itself waits when
             # training could change them otherwise than by a step).
+            # The fence's callback holds the timer, not this job: the Checkpointer keeps the fence
+            # until its next save or load, and a fence -> job -> fence cycle would keep the job's
+            # snapshot, and through it the staging buffer, alive until the cyclic collector ran
+            # (paused during loads): a load that swapped the pool's buffer for a larger one then
+            # held both (+384 MB per rank on MLP/FSDP2).
+            timer = self.timer
             self.fence = SnapshotFence(optimizers_in(self.state) if self.options.lazy else [], f"save to {self.path}",
-                                       on_held=lambda seconds, start: self.timer.add("held", seconds, start=start))
+                                       on_held=lambda seconds, start: timer.add("held", seconds, start=start))
             snap.release, snap.blocking = self.fence.release, blocking
             self.ckpt._fences.append(self.fence)
             if snap.deferred is not None:
