@@ -442,3 +442,32 @@ def test_a_finished_lazy_save_is_freed_by_reference_counting(tmp_path, then):
     finally:
         if was:
             gc.enable()
+
+
+def test_a_sync_save_stages_through_an_idle_pool_buffer_and_takes_no_new_memory(tmp_path):
+    """After an async save the pool keeps a warm buffer of the file's size: a sync save copies into
+    it (then one aligned write) instead of writing from the tensors, and gives it back; a
+    Checkpointer that only saves synchronously makes no such buffer. Both checkpoints hold the
+    values of their save call."""
+    model, opt = _big_state()
+    state = {"model": model, "optim": opt}
+    with omnickpt.Checkpointer() as ckpt:
+        asked = []
+        acquire = ckpt._pool.acquire
+        ckpt._pool.acquire = lambda n, **kw: asked.append(n) or acquire(n, **kw)
+        ckpt.save(tmp_path / "async", state, async_save=True).wait()
+        held, file_bytes = ckpt._pool.held, asked[-1]
+        opt.step()   # new values: the sync save must hold these, not the async save's
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        asked.clear()
+        ckpt.save(tmp_path / "sync", state)
+        assert asked and asked[0] >= file_bytes, asked   # the file staged in the pool's buffer
+        assert ckpt._pool.held == held and not ckpt._pool._out   # no new memory, and given back
+    with omnickpt.Checkpointer() as only_sync:
+        only_sync.save(tmp_path / "sync-only", state)
+        assert only_sync._pool.held < file_bytes // 4   # small tensors packed at most: no staging buffer
+    for path in ("sync", "sync-only"):
+        fresh, fresh_opt = _big_state(seed=1)
+        omnickpt.Checkpointer().load(tmp_path / path, {"model": fresh, "optim": fresh_opt})
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, want[k]), (path, k)
