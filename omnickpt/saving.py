@@ -287,6 +287,9 @@ class _SaveJob:
             else:
                 snap.settle()   # before: an optimizer step held until the write is counted ("held")
                 timings = timer.as_dict()
+            # Nothing of the staging buffer outlives its release: a failed save's job stays reachable
+            # (from its handle's error) while the pool may free or reuse that memory.
+            snap.drop()
         result.timings = timings
         return result, header
 
@@ -513,7 +516,7 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         staging = pool.acquire(layout.size, pin=on_gpu)
         # pinned staging is not warmed ahead (Checkpointer.warm_staging): only host staging is expected
         pool.expected = None if on_gpu else layout.size
-    elif not on_gpu and pool.idle_largest() >= staging_size(tensor_region, collected.blobs):
+    elif _drop_speculative(pool) >= staging_size(tensor_region, collected.blobs) and not on_gpu:
         # A sync save stages too when an idle host buffer holds its whole file (kept warm by the job's
         # async saves, or landed in by a load): one copy at memory speed, then one aligned write to
         # the device, instead of buffered writes from the tensors' own memory that the fsync then waits
@@ -524,8 +527,6 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         with timer.phase("snapshot"):
             layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs, room=pool.largest)
         staging = pool.acquire(layout.size)
-    else:
-        pool.drop_speculative()   # warmed after a load for an async save; a sync save packs into small buffers
     room = pool.largest
 
     def pack(nbytes: int) -> torch.Tensor:   # past the budget: memory of its own, freed with the save
@@ -540,6 +541,13 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         if staging is not None:
             pool.release(staging)
         raise
+
+
+def _drop_speculative(pool) -> int:
+    """A sync save: free the buffer warmed after a load for an async save that has not come (a job
+    that saves synchronously must not keep it), then the bytes of the largest idle buffer left."""
+    pool.drop_speculative()
+    return pool.idle_largest()
 
 
 def _stage_layout(collected: _Collected, writes, tensor_region: int, stable: Callable[[], set[int]] | None,

@@ -471,3 +471,28 @@ def test_a_sync_save_stages_through_an_idle_pool_buffer_and_takes_no_new_memory(
         omnickpt.Checkpointer().load(tmp_path / path, {"model": fresh, "optim": fresh_opt})
         for k, v in fresh.state_dict().items():
             assert torch.equal(v, want[k]), (path, k)
+
+
+def _data_bytes(path) -> bytes:
+    import os
+    (name,) = os.listdir(os.path.join(path, "data"))
+    with open(os.path.join(path, "data", name), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_staged_file_holds_zeros_between_its_tensors_whatever_the_buffer_held(tmp_path, async_save):
+    """A staging buffer is reused (an earlier save's or a load's bytes are in it): the padding between
+    tensors is zeroed, so a staged file is byte for byte the file of the same state written from the
+    tensors (whose gaps are holes), never a trace of another checkpoint."""
+    model, opt = _big_state()
+    state = {"model": model, "optim": opt}
+    omnickpt.Checkpointer().save(tmp_path / "from-tensors", state)   # a fresh pool: written from the tensors
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.save(tmp_path / "warm", state, async_save=True).wait()
+        (buf,) = [b for b in ckpt._pool._free if b is not None]
+        buf.fill_(0xAB)   # what another checkpoint left in it
+        ckpt.save(tmp_path / "staged", state, async_save=async_save).wait()
+    want, got = _data_bytes(tmp_path / "from-tensors"), _data_bytes(tmp_path / "staged")
+    assert len(got) == len(want)
+    assert got.count(0xAB) == want.count(0xAB) and got == want

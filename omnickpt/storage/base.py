@@ -70,8 +70,10 @@ def run_all(executor: Executor, fn, calls: Sequence[tuple]) -> list:
     may still be writing into a buffer, an address or a file descriptor the caller frees when this
     returns (a memmove between raw addresses into freed memory corrupts the heap, and the process
     crashes later somewhere else)."""
-    futures = [executor.submit(fn, *args) for args in calls]
+    futures = []
     try:
+        for args in calls:   # inside: an interrupt between submits still awaits those submitted
+            futures.append(executor.submit(fn, *args))
         wait(futures, return_when=FIRST_EXCEPTION)
     finally:
         for f in futures:
