@@ -200,10 +200,14 @@ class _SaveJob:
         """Every rank, no collective: the part of the save training waits for (the stall ends
         here). A lazy snapshot leaves the copy of parameters and optimizer state to a background
         thread, behind a SnapshotFence. Returns whether save() must wait for the fence."""
-        lazy = self.options.lazy
+        o = self.options
+        lazy = o.lazy
+        # compressed, quantized and incremental files are laid out by their writers, from the spans:
+        # a sync save's staging copy would be one copy more
+        plain = not (o.compression or o.quantize_optimizer or o.incremental)
         snap, blocking = _snapshot(self.ckpt._pool, self.collected, self.writes, self.tensor_region, self.timer,
-                                   self.options.async_save,
-                                   (lambda: step_stable_storages(self.state)) if lazy else None, self.reuse)
+                                   o.async_save, (lambda: step_stable_storages(self.state)) if lazy else None,
+                                   self.reuse, stage_sync=plain)
         if snap.deferred is not None or snap.references:
             # Lazy: every optimizer's step waits for the copy. Over the staging budget, the tensors
             # written from their own memory stay fenced until written (save() itself waits when
@@ -499,12 +503,13 @@ def _cache_plan(plans: dict, digests: tuple, writes, tensor_region: int, plan) -
 
 @gc_paused()
 def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: PhaseTimer, async_save: bool,
-              stable: Callable[[], set[int]] | None = None, reuse: _Reuse | None = None):
+              stable: Callable[[], set[int]] | None = None, reuse: _Reuse | None = None, *, stage_sync: bool = True):
     """Every rank, no collective: the part of the save training waits for. Async: copy into a
     staging buffer of `pool` (pinned when the source is on a GPU), the writes of the `stable()`
     storages later (lazy snapshots: Snapshot.deferred), at most the staging budget (the rest is
     written from the tensors' own memory); sync: copied whole into an idle host buffer of `pool`
-    that holds the file, when there is one, else reference the tensors, small ones packed into a
+    that holds the file, when there is one and `stage_sync` (a plain file), else reference the
+    tensors, small ones packed into a
     pool buffer (given back after persisting). Returns (snapshot, whether save() must wait for the
     fence: a tensor training may change at any time is written from its own memory). The staging
     layout of the last async save is reused (`reuse`) when its shards, writes and sizes are the same."""
@@ -516,7 +521,7 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         staging = pool.acquire(layout.size, pin=on_gpu)
         # pinned staging is not warmed ahead (Checkpointer.warm_staging): only host staging is expected
         pool.expected = None if on_gpu else layout.size
-    elif _drop_speculative(pool) >= staging_size(tensor_region, collected.blobs) and not on_gpu:
+    elif _drop_speculative(pool) >= staging_size(tensor_region, collected.blobs) and stage_sync and not on_gpu:
         # A sync save stages too when an idle host buffer holds its whole file (kept warm by the job's
         # async saves, or landed in by a load): one copy at memory speed, then one aligned write to
         # the device, instead of buffered writes from the tensors' own memory that the fsync then waits

@@ -496,3 +496,21 @@ def test_a_staged_file_holds_zeros_between_its_tensors_whatever_the_buffer_held(
     want, got = _data_bytes(tmp_path / "from-tensors"), _data_bytes(tmp_path / "staged")
     assert len(got) == len(want)
     assert got.count(0xAB) == want.count(0xAB) and got == want
+
+
+def test_a_compressed_sync_save_does_not_stage(tmp_path):
+    """A compressed file is laid out by its writer from the tensors' bytes: staging them first would
+    be one copy more, so a compressed sync save takes no buffer from the pool even when one is idle."""
+    model, opt = _big_state()
+    state = {"model": model, "optim": opt}
+    with omnickpt.Checkpointer() as ckpt:
+        ckpt.save(tmp_path / "async", state, async_save=True).wait()
+        idle = ckpt._pool.idle_largest()
+        asked = []
+        acquire = ckpt._pool.acquire
+        ckpt._pool.acquire = lambda n, **kw: asked.append(n) or acquire(n, **kw)
+        ckpt.save(tmp_path / "zstd", state, compression="zstd")
+        assert all(n < idle // 4 for n in asked), (asked, idle)
+    fresh, fresh_opt = _big_state(seed=1)
+    omnickpt.Checkpointer().load(tmp_path / "zstd", {"model": fresh, "optim": fresh_opt})
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
