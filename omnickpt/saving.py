@@ -509,10 +509,10 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
     storages later (lazy snapshots: Snapshot.deferred), at most the staging budget (the rest is
     written from the tensors' own memory); sync: copied whole into an idle host buffer of `pool`
     that holds the file, when there is one and `stage_sync` (a plain file), else reference the
-    tensors, small ones packed into a
-    pool buffer (given back after persisting). Returns (snapshot, whether save() must wait for the
-    fence: a tensor training may change at any time is written from its own memory). The staging
-    layout of the last async save is reused (`reuse`) when its shards, writes and sizes are the same."""
+    tensors, small ones packed into a pool buffer (given back after persisting). Returns (snapshot,
+    whether save() must wait for the fence: a tensor training may change at any time is written
+    from its own memory). The staging layout of the last async save is reused (`reuse`) when its
+    shards, writes and sizes are the same."""
     staging, layout = None, None
     on_gpu = torch.cuda.is_available() and any(s.local.is_cuda for s in collected.shards)
     if async_save:
