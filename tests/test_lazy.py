@@ -514,3 +514,17 @@ def test_a_compressed_sync_save_does_not_stage(tmp_path):
     fresh, fresh_opt = _big_state(seed=1)
     omnickpt.Checkpointer().load(tmp_path / "zstd", {"model": fresh, "optim": fresh_opt})
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_objects_that_move_between_saves_of_one_layout_keep_their_bytes(tmp_path):
+    """Two lazy saves of one layout whose objects swap sizes (the file's size the same, so the staging
+    layout is reused): the second save's objects sit where the first one's padding was, and the
+    padding zeroed with the lazy copies must not be the first save's."""
+    model, opt = _big_state()
+    with omnickpt.Checkpointer() as ckpt:
+        for i, (x, y) in enumerate([(10, 70), (70, 10)]):
+            state = {"model": model, "optim": opt, "a": {"v": "x" * x}, "b": {"v": "y" * y}}
+            ckpt.save(tmp_path / str(i), state, async_save=True).wait()
+            out = {"model": model, "optim": opt, "a": {}, "b": {}}
+            omnickpt.Checkpointer().load(tmp_path / str(i), out)
+            assert out["a"] == {"v": "x" * x} and out["b"] == {"v": "y" * y}, i

@@ -125,21 +125,21 @@ class StageLayout:
         later = set(self.later)
         return [i for i, a in enumerate(self.at) if a is not None and i not in later]
 
-    def gaps(self, writes: list[WriteItem], placed: list[tuple[str, int, bytes]], total: int) -> list[tuple[int, int]]:
-        """[start, end) of the bytes of a file laid out like staging that no write and no object
-        covers (alignment padding), worked out once per layout. A reused buffer holds whatever its
-        last use left there (an earlier save's or a load's bytes); zeroed, every staged file is
-        the bytes of its own state alone, as a file written from the tensors is (its gaps are holes)."""
+    def gaps(self, writes: list[WriteItem], tensor_region: int) -> list[tuple[int, int]]:
+        """[start, end) of the bytes of the tensor region of a file laid out like staging that no
+        write covers (alignment padding), worked out once per layout: they depend on the writes
+        alone (the objects after them may move from one save to the next: their region is zeroed
+        by each save). A reused buffer holds whatever its last use left there (an earlier save's or
+        a load's bytes); zeroed, every staged file is the bytes of its own state alone, as a file
+        written from the tensors is (its gaps are holes)."""
         if self._gaps is None:
-            spans = sorted([(w.offset, w.offset + w.nbytes) for w in writes if w.nbytes]
-                           + [(off, off + len(blob)) for _, off, blob in placed if len(blob)])
             gaps, pos = [], 0
-            for a, b in spans:
+            for a, b in sorted((w.offset, w.offset + w.nbytes) for w in writes if w.nbytes):
                 if a > pos:
                     gaps.append((pos, a))
                 pos = max(pos, b)
-            if total > pos:
-                gaps.append((pos, total))
+            if tensor_region > pos:
+                gaps.append((pos, tensor_region))
             self._gaps = gaps
         return self._gaps
 
@@ -224,13 +224,14 @@ def snapshot(shards: list[TensorShard], writes: list[WriteItem], tensor_region: 
         if staging is not None:
             if layout is None:
                 layout = StageLayout(total, total, [w.offset for w in writes], [], False, False)
-            return _stage(shards, writes, placed, total, staging, cuda, layout)
+            return _stage(shards, writes, tensor_region, placed, total, staging, cuda, layout)
         segments, spans, packed = _reference(shards, writes, pack)
         objs = _objects_as_they_are(placed, segments)
         return Snapshot(total, segments, spans, objs, packed)
 
 
-def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tuple[str, int, bytes]], total: int,
+def _stage(shards: list[TensorShard], writes: list[WriteItem], tensor_region: int,
+           placed: list[tuple[str, int, bytes]], total: int,
            staging: torch.Tensor, cuda: bool, layout: StageLayout) -> Snapshot:
     """The async snapshot: copy now what `layout` does not leave for later, then describe the file
     from staging (laid out like the file, or compact with the rest from the tensors' own memory)."""
@@ -240,11 +241,12 @@ def _stage(shards: list[TensorShard], writes: list[WriteItem], placed: list[tupl
         event.record()   # the copies of now (the training stream waits for them already)
     whole = tensor_bytes_view(staging)
     # the padding between writes (a compact staging holds none): zeroed now, or with the lazy copies,
-    # off the stall path (6,000 gaps: 1.5 ms)
-    zero = None if layout.compact else (lambda: _zero(whole, layout.gaps(writes, placed, total)))
+    # off the stall path (6,000 gaps: 1.5 ms); the objects' region, a few bytes, now, before they land
+    zero = None if layout.compact else (lambda: _zero(whole, layout.gaps(writes, tensor_region)))
     if not layout.compact:
         if not layout.later:
             zero()
+        _zero(whole, [(tensor_region, total)] if total > tensor_region else [])
         for key, off, blob in placed:
             whole[off:off + len(blob)] = blob   # one copy, straight into staging
         segments = [Segment(0, whole[:total])]
