@@ -527,10 +527,9 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         # the device, instead of buffered writes from the tensors' own memory that the fsync then waits
         # for (bench/sync_save.py, 2 ranks: mlp/fsdp2 0.70 -> 0.52 s, gpt/fsdp2 0.52 -> 0.43 s). No
         # memory is taken for it: a job that only saves synchronously keeps writing from the tensors.
-        # Everything is copied now (nothing is left for later), and the layout is not cached: that
-        # cache is the async saves'.
+        # Everything is copied now (an eager layout, kept beside the lazy one for the next such save).
         with timer.phase("snapshot"):
-            layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs, room=pool.largest)
+            layout = _stage_layout(collected, writes, tensor_region, None, pool.largest, reuse)
         staging = pool.acquire(layout.size)
     room = pool.largest
 
@@ -563,13 +562,13 @@ def _stage_layout(collected: _Collected, writes, tensor_region: int, stable: Cal
     snapshot (lazy or not). The step-stable storages are worked out only when a layout is planned
     anew: a reused collect holds the same parameters and optimizer state, so the same storages."""
     key = (collected.shards, writes, staging_size(tensor_region, collected.blobs), room, stable is None)
-    prev = reuse.stage if reuse is not None else None
+    prev = reuse.stage.get(stable is None) if reuse is not None else None
     if prev is not None and all(a is b if i < 2 else a == b for i, (a, b) in enumerate(zip(prev[0], key))):
         return prev[1]
     layout = stage_layout(collected.shards, writes, tensor_region, collected.blobs,
                           stable=stable() if stable is not None else frozenset(), room=room)
     if reuse is not None:
-        reuse.stage = (key, layout)
+        reuse.stage[stable is None] = (key, layout)
     return layout
 
 
@@ -583,7 +582,9 @@ class _Reuse:
     copies."""
     entries: SaveMemo = dataclasses.field(default_factory=SaveMemo)
     collected: tuple | None = None   # ([(state key, shard list)], _Collected those lists made)
-    stage: tuple | None = None       # (what stage_layout depended on, the StageLayout)
+    # {eager: (what stage_layout depended on, the StageLayout)}: a lazy layout and an eager one (sync
+    # saves that stage, snapshot="eager"), so that a job alternating them keeps both
+    stage: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
