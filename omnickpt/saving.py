@@ -281,6 +281,7 @@ class _SaveJob:
                                 error_class=type(e).__name__)
             _discard_own_file(self.storage, self.save_id, rank)   # the space comes back now
         finally:
+            snap.cancel()   # a failure before finish(): its lazy copies must not land after the release
             if snap.staging is not None:
                 self.ckpt._pool.release(snap.staging, keep=not self.ckpt.release_staging)
             _sample_rss(timer)

@@ -528,3 +528,38 @@ def test_objects_that_move_between_saves_of_one_layout_keep_their_bytes(tmp_path
             out = {"model": model, "optim": opt, "a": {}, "b": {}}
             omnickpt.Checkpointer().load(tmp_path / str(i), out)
             assert out["a"] == {"v": "x" * x} and out["b"] == {"v": "y" * y}, i
+
+
+def test_a_lazy_save_that_fails_before_its_copies_never_copies_into_the_buffer_it_gave_back(tmp_path):
+    """A lazy save whose persist fails before it made its copies (the checkpoint path held by
+    another live job) gives its staging buffer back at once; its copy, still queued on the snapshot
+    thread, must not run afterwards into that buffer, which the next save already uses: that save's
+    file would hold the failed save's bytes under valid checksums."""
+    from omnickpt.errors import CheckpointLockedError
+    from omnickpt.lease import acquire
+    big, big_opt = _big_state()
+    small, small_opt = _big_state(seed=1)
+    small_state = {"model": small[0]}   # a smaller file: it reuses the failed save's buffer
+    other = omnickpt.Checkpointer()
+    lease = acquire(str(tmp_path / "held"), other._job)
+    try:
+        with omnickpt.Checkpointer() as ckpt:
+            copier_gate = threading.Event()
+            ckpt._snapshot_thread().submit(copier_gate.wait)   # the failed save's copy waits behind this
+            handle = ckpt.save(tmp_path / "held", {"model": big, "optim": big_opt}, async_save=True)
+            with pytest.raises(CheckpointLockedError):
+                handle.wait()
+            persist_gate = threading.Event()
+            ckpt._persist.submit(persist_gate.wait)   # the next save's write waits until the copy could land
+            next_save = ckpt.save(tmp_path / "next", small_state, async_save=True, snapshot="eager")
+            copier_gate.set()
+            time.sleep(0.3)
+            persist_gate.set()
+            next_save.wait()
+    finally:
+        lease.release()
+        other.close()
+    fresh, _ = _big_state(seed=2)
+    omnickpt.Checkpointer().load(tmp_path / "next", {"model": fresh[0]})
+    for k, v in fresh[0].state_dict().items():
+        assert torch.equal(v, small[0].state_dict()[k]), k

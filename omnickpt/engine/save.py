@@ -66,6 +66,13 @@ class Snapshot:
             self._spans = self._spans()
         return self._spans
 
+    def cancel(self) -> None:
+        """The save failed before its lazy copies ran (its persist never called finish()): none may
+        run once its staging is given back, where a later save or load may already be writing. A
+        copy under way is waited for (finish() holds the lock while it copies)."""
+        with self._finishing:
+            self.deferred = None
+
     def drop(self) -> None:
         """After the persist, the staging given back: forget every view of it."""
         self.staging, self.segments, self._spans, self.objects = None, [], [], []
