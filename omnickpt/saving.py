@@ -522,16 +522,19 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         staging = pool.acquire(layout.size, pin=on_gpu)
         # pinned staging is not warmed ahead (Checkpointer.warm_staging): only host staging is expected
         pool.expected = None if on_gpu else layout.size
-    elif _drop_speculative(pool) >= staging_size(tensor_region, collected.blobs) and stage_sync and not on_gpu:
-        # A sync save stages too when an idle host buffer holds its whole file (kept warm by the job's
-        # async saves, or landed in by a load): one copy at memory speed, then one aligned write to
-        # the device, instead of buffered writes from the tensors' own memory that the fsync then waits
-        # for (bench/sync_save.py, 2 ranks: mlp/fsdp2 0.70 -> 0.52 s, gpt/fsdp2 0.52 -> 0.43 s). No
-        # memory is taken for it: a job that only saves synchronously keeps writing from the tensors.
-        # Everything is copied now (an eager layout, kept beside the lazy one for the next such save).
-        with timer.phase("snapshot"):
-            layout = _stage_layout(collected, writes, tensor_region, None, pool.largest, reuse)
-        staging = pool.acquire(layout.size)
+    else:
+        pool.drop_speculative()   # warmed after a load for an async save that has not come: not kept for it
+        if stage_sync and not on_gpu and pool.idle_largest() >= staging_size(tensor_region, collected.blobs):
+            # A sync save stages too when an idle host buffer holds its whole file (kept warm by the
+            # job's async saves, or landed in by a load): one copy at memory speed, then one aligned
+            # write to the device, instead of buffered writes from the tensors' own memory that the
+            # fsync then waits for (bench/sync_save.py, 2 ranks: mlp/fsdp2 0.70 -> 0.52 s, gpt/fsdp2
+            # 0.52 -> 0.43 s). No memory is taken for it: a job that only saves synchronously keeps
+            # writing from the tensors. Everything is copied now (an eager layout, kept beside the
+            # lazy one for the next such save).
+            with timer.phase("snapshot"):
+                layout = _stage_layout(collected, writes, tensor_region, None, pool.largest, reuse)
+            staging = pool.acquire(layout.size)
     room = pool.largest
 
     def pack(nbytes: int) -> torch.Tensor:   # past the budget: memory of its own, freed with the save
@@ -548,20 +551,14 @@ def _snapshot(pool, collected: _Collected, writes, tensor_region: int, timer: Ph
         raise
 
 
-def _drop_speculative(pool) -> int:
-    """A sync save: free the buffer warmed after a load for an async save that has not come (a job
-    that saves synchronously must not keep it), then the bytes of the largest idle buffer left."""
-    pool.drop_speculative()
-    return pool.idle_largest()
-
-
 def _stage_layout(collected: _Collected, writes, tensor_region: int, stable: Callable[[], set[int]] | None,
                   room: int | None, reuse: _Reuse | None):
-    """engine.save.stage_layout, or the last async save's when nothing it depends on changed: the
-    same shard list (reused whole by the collect: same tensors, shapes, dtypes, addresses), the same
-    writes (the cached plan's own list), the same file size and staging room, and the same kind of
-    snapshot (lazy or not). The step-stable storages are worked out only when a layout is planned
-    anew: a reused collect holds the same parameters and optimizer state, so the same storages."""
+    """engine.save.stage_layout, or the last one of its kind (lazy, or eager: snapshot="eager" and a
+    sync save that stages) when nothing it depends on changed: the same shard list (reused whole by
+    the collect: same tensors, shapes, dtypes, addresses), the same writes (the cached plan's own
+    list), the same file size and staging room. The step-stable storages are worked out only when a
+    layout is planned anew: a reused collect holds the same parameters and optimizer state, so the
+    same storages."""
     key = (collected.shards, writes, staging_size(tensor_region, collected.blobs), room, stable is None)
     prev = reuse.stage.get(stable is None) if reuse is not None else None
     if prev is not None and all(a is b if i < 2 else a == b for i, (a, b) in enumerate(zip(prev[0], key))):
