@@ -444,6 +444,14 @@ def test_a_finished_lazy_save_is_freed_by_reference_counting(tmp_path, then):
             gc.enable()
 
 
+def _record_acquires(ckpt: omnickpt.Checkpointer) -> list[int]:
+    """The sizes the Checkpointer's staging pool is asked for from now on, in order."""
+    asked: list[int] = []
+    acquire = ckpt._pool.acquire
+    ckpt._pool.acquire = lambda n, **kw: asked.append(n) or acquire(n, **kw)
+    return asked
+
+
 def test_a_sync_save_stages_through_an_idle_pool_buffer_and_takes_no_new_memory(tmp_path):
     """After an async save the pool keeps a warm buffer of the file's size: a sync save copies into
     it (then one aligned write) instead of writing from the tensors, and gives it back; a
@@ -452,9 +460,7 @@ def test_a_sync_save_stages_through_an_idle_pool_buffer_and_takes_no_new_memory(
     model, opt = _big_state()
     state = {"model": model, "optim": opt}
     with omnickpt.Checkpointer() as ckpt:
-        asked = []
-        acquire = ckpt._pool.acquire
-        ckpt._pool.acquire = lambda n, **kw: asked.append(n) or acquire(n, **kw)
+        asked = _record_acquires(ckpt)
         ckpt.save(tmp_path / "async", state, async_save=True).wait()
         held, file_bytes = ckpt._pool.held, asked[-1]
         opt.step()   # new values: the sync save must hold these, not the async save's
@@ -506,9 +512,7 @@ def test_a_compressed_sync_save_does_not_stage(tmp_path):
     with omnickpt.Checkpointer() as ckpt:
         ckpt.save(tmp_path / "async", state, async_save=True).wait()
         idle = ckpt._pool.idle_largest()
-        asked = []
-        acquire = ckpt._pool.acquire
-        ckpt._pool.acquire = lambda n, **kw: asked.append(n) or acquire(n, **kw)
+        asked = _record_acquires(ckpt)
         ckpt.save(tmp_path / "zstd", state, compression="zstd")
         assert all(n < idle // 4 for n in asked), (asked, idle)
     fresh, fresh_opt = _big_state(seed=1)
